@@ -1,0 +1,120 @@
+"""The coordinator's view of the two services: measured gRPC calls, session (re)opening and
+one retry of an idempotent round."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.rpc import CallCost, MeasuredClient
+from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specdec.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
+
+# Codes after which a service has lost (or never had) the session: re-open with the context.
+_REOPEN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+class PairMismatch(RuntimeError):
+    pass
+
+
+@dataclass
+class ServiceCall:
+    """One measured call: the remote compute time and what the call cost around it."""
+
+    compute_ms: float
+    cost: CallCost
+
+    @property
+    def overhead_ms(self) -> float:
+        """Time of the call not spent computing in the service: wire plus (de)serialization."""
+        return max(self.cost.total_ms - self.compute_ms, 0.0)
+
+
+class ServicePair:
+    def __init__(self, drafter_address: str, verifier_address: str, timeout_s: float = 120.0):
+        self.drafter = MeasuredClient(drafter_address, DRAFTER_SERVICE)
+        self.verifier = MeasuredClient(verifier_address, VERIFIER_SERVICE)
+        self.timeout_s = timeout_s
+        self.drafter_info, _ = self.drafter.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
+        self.verifier_info, _ = self.verifier.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
+        if self.drafter_info.tokenizer_fingerprint != self.verifier_info.tokenizer_fingerprint:
+            raise PairMismatch(
+                f"mismatched tokenizers: drafter '{self.drafter_info.model}' and verifier '{self.verifier_info.model}' "
+                "do not share one tokenizer, so the drafter's token ids mean nothing to the verifier"
+            )
+
+    def close(self) -> None:
+        self.drafter.close()
+        self.verifier.close()
+
+
+class PairSession:
+    """One request's session on both services. Tracks what each side has seen, so a round sends
+    only the new tokens, and re-opens a side with the full context if it lost the session."""
+
+    def __init__(self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int]):
+        self.pair = pair
+        self.session_id = session_id
+        self.sampling = sampling
+        self.context = list(context)
+        self._drafter_seen: int | None = None  # context length the drafter has; None = not open
+        self._verifier_round = 0
+        self._verifier_open = False
+
+    def draft(self, num_tokens: int) -> tuple[drafter_pb2.DraftResponse, ServiceCall]:
+        def request(reopen: bool) -> drafter_pb2.DraftRequest:
+            message = drafter_pb2.DraftRequest(
+                session_id=self.session_id,
+                committed_length=len(self.context),
+                num_draft_tokens=num_tokens,
+            )
+            if reopen:
+                message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=self.context, sampling=self.sampling))
+                message.verifier_tokenizer_fingerprint = self.pair.verifier_info.tokenizer_fingerprint
+            else:
+                message.new_token_ids.extend(self.context[self._drafter_seen :])
+            return message
+
+        reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None)
+        self._drafter_seen = len(self.context)
+        return reply, call
+
+    def verify(self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0) -> tuple[verifier_pb2.VerifyResponse, ServiceCall]:
+        def request(reopen: bool) -> verifier_pb2.VerifyRequest:
+            if reopen:
+                self._verifier_round = 0
+            message = verifier_pb2.VerifyRequest(
+                session_id=self.session_id, round=self._verifier_round + 1, fused_tokens=fused_tokens
+            )
+            if tree is not None:
+                message.tree.CopyFrom(tree)
+            if reopen:
+                message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=self.context, sampling=self.sampling))
+            return message
+
+        reply, call = self._call(self.pair.verifier, "Verify", verifier_pb2.VerifyResponse, request, not self._verifier_open)
+        self._verifier_open = True
+        self._verifier_round += 1
+        self.context.extend(reply.token_ids)
+        return reply, call
+
+    def close(self) -> None:
+        """Frees the session on both sides without waiting for the answers."""
+        end = common_pb2.EndSessionRequest(session_id=self.session_id)
+        for client in (self.pair.drafter, self.pair.verifier):
+            client.call_async("EndSession", end)
+
+    def _call(self, client: MeasuredClient, method: str, response_type, build, reopen: bool):
+        request = build(reopen)
+        try:
+            reply, cost = client.call(method, request, response_type, timeout=self.pair.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() in _REOPEN and not reopen:
+                request = build(True)
+            elif err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                pass  # the same round again: the service never commits a round twice
+            else:
+                raise
+            reply, cost = client.call(method, request, response_type, timeout=self.pair.timeout_s)
+        return reply, ServiceCall(reply.compute_ms, cost)

@@ -1,0 +1,145 @@
+"""The client-facing Coordinator service: request validation, prompt preparation, and the
+round loop driven once per request (streamed or not)."""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Iterator
+
+from coordinator.clients import PairSession, ServicePair
+from coordinator.decoding import Meter, decode_rounds
+from coordinator.output import OutputTracker
+from specdec.config import CoordinatorConfig
+from specdec.models import load_tokenizer
+from specdec.rpc import invalid, reports_errors, start_server
+from specdec.sampling import validate_sampling
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from specdec.wire import COORDINATOR_SERVICE
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """Runs requests over a drafter/verifier pair."""
+
+    def __init__(self, config: CoordinatorConfig, pair: ServicePair, tokenizer_source: str):
+        self.config = config
+        self.pair = pair
+        self.tokenizer = load_tokenizer(tokenizer_source)
+        info = pair.verifier_info
+        self.eos_ids = set(info.eos_token_ids)
+        self.vocab_size = info.vocab_size
+        self.max_context = info.max_context
+
+    def prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
+        if request.prompt and request.prompt_token_ids:
+            raise invalid("set only one of prompt and prompt_token_ids")
+        if request.prompt_token_ids:
+            if request.use_chat_template:
+                raise invalid("use_chat_template applies to a text prompt, not to prompt_token_ids")
+            ids = list(request.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise invalid(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        elif request.prompt:
+            if request.use_chat_template:
+                if not self.tokenizer.chat_template:
+                    raise invalid("use_chat_template: the verifier's tokenizer has no chat template")
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": request.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            else:
+                ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+        else:
+            raise invalid("the prompt is empty: set prompt or prompt_token_ids")
+        if len(ids) >= self.max_context:
+            raise invalid(f"the prompt has {len(ids)} tokens; the verifier's context is {self.max_context}")
+        return list(ids)
+
+    def check_request(self, request: coordinator_pb2.GenerateRequest) -> tuple[int, int]:
+        """Validates the generation parameters; returns (max_new_tokens, budget)."""
+        cap = self.config.max_new_tokens_cap
+        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else self.config.default_max_new_tokens
+        if not 1 <= max_new <= cap:
+            raise invalid(f"max_new_tokens must be in [1, {cap}], got {max_new}")
+        top_p = request.top_p if request.HasField("top_p") else 1.0
+        try:
+            validate_sampling(request.temperature, top_p, request.top_k)
+        except ValueError as err:
+            raise invalid(str(err)) from None
+        if any(not s for s in request.stop):
+            raise invalid("stop strings must not be empty")
+        budget = request.num_draft_tokens if request.HasField("num_draft_tokens") else self.config.num_draft_tokens
+        if not 0 <= budget <= 64:
+            raise invalid(f"num_draft_tokens must be in [0, 64] (0 = verifier only), got {budget}")
+        return max_new, budget
+
+    def generate(self, request: coordinator_pb2.GenerateRequest) -> Iterator[coordinator_pb2.GenerateResponse]:
+        """One response per round with the new tokens and text; the last has finish_reason and stats."""
+        max_new, budget = self.check_request(request)
+        prompt = self.prompt_ids(request)
+        max_new = min(max_new, self.max_context - len(prompt) - budget - 1)
+        sampling = common_pb2.SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p if request.HasField("top_p") else 1.0,
+            top_k=request.top_k,
+            seed=request.seed,
+        )
+        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt)
+        output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
+        meter = Meter()
+        try:
+            for round_ in decode_rounds(session, budget, self.config.fused_block_tokens, max_new, meter):
+                output.add(round_.token_ids)
+                if output.finish_reason:
+                    break
+                tokens, text = output.take_delta()
+                yield coordinator_pb2.GenerateResponse(text=text, token_ids=tokens)
+            output.end("length")
+        finally:
+            session.close()
+        tokens, text = output.take_delta()
+        yield coordinator_pb2.GenerateResponse(
+            text=text, token_ids=tokens, finish_reason=output.finish_reason, stats=meter.stats(budget, len(output.token_ids))
+        )
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+
+    @reports_errors
+    def Generate(self, request, context):
+        text, tokens, last = [], [], None
+        for last in self.coordinator.generate(request):
+            text.append(last.text)
+            tokens.extend(last.token_ids)
+        return coordinator_pb2.GenerateResponse(
+            text="".join(text), token_ids=tokens, finish_reason=last.finish_reason, stats=last.stats
+        )
+
+    @reports_errors
+    def GenerateStream(self, request, context):
+        yield from self.coordinator.generate(request)
+
+
+def serve(coordinator: Coordinator, host: str, port: int):
+    """Starts the client API with the standard health service; returns (server, bound port)."""
+    servicer = CoordinatorServicer(coordinator)
+    server, bound, _ = start_server(
+        lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
+        host,
+        port,
+        max_workers=32,
+        health_service=COORDINATOR_SERVICE,
+    )
+    return server, bound
+
+
+def start(config, drafter_address: str, verifier_address: str):
+    """Connects to both services, checks the pair, and starts the client API; returns
+    (grpc server, bound port, coordinator)."""
+    pair = ServicePair(drafter_address, verifier_address, config.coordinator.request_timeout_s)
+    coordinator = Coordinator(config.coordinator, pair, config.verifier.model.source)
+    server, port = serve(coordinator, config.coordinator.host, config.coordinator.port)
+    return server, port, coordinator

@@ -1,0 +1,1 @@
+"""The drafter service: hosts the small model and proposes draft trees."""

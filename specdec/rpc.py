@@ -1,0 +1,164 @@
+"""gRPC plumbing shared by the services: errors that map to status codes, server start-up,
+and a client call that measures serialization, wire time and bytes separately."""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class ServiceError(Exception):
+    """An error to report to the caller with a gRPC status code and a clear message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def reports_errors(method: Callable) -> Callable:
+    """Turns ServiceError (and unexpected failures) into a gRPC status on the call, so one bad
+    request never takes the service down. Works for unary and server-streaming handlers."""
+
+    def abort(context, err: Exception):
+        if isinstance(err, ServiceError):
+            context.abort(err.code, err.message)
+        if isinstance(err, grpc.RpcError) and isinstance(err, grpc.Call):  # a downstream service's answer
+            context.abort(err.code(), err.details())
+        log.exception("internal error in %s", method.__name__)
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream_wrapper(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Exception as err:  # noqa: BLE001 - reported to the caller, service goes on
+                abort(context, err)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as err:  # noqa: BLE001 - reported to the caller, service goes on
+            abort(context, err)
+
+    return wrapper
+
+
+def start_server(
+    add_servicer: Callable[[grpc.Server], None],
+    host: str,
+    port: int,
+    max_workers: int = 16,
+    health_service: str | None = None,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Starts a gRPC server with the standard health service; returns it and the bound port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    add_servicer(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind a gRPC server to {host}:{port}")
+    server.start()
+    status = health_pb2.HealthCheckResponse.SERVING
+    health_servicer.set("", status)
+    if health_service:
+        health_servicer.set(health_service, status)
+    return server, bound, health_servicer
+
+
+def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no SERVING health status from {address} within {timeout_s:.0f} s")
+            time.sleep(0.25)
+
+
+@dataclass
+class CallCost:
+    """What one RPC cost the caller, split into its parts."""
+
+    serialize_ms: float = 0.0
+    call_ms: float = 0.0       # from bytes handed to gRPC to bytes back
+    deserialize_ms: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def total_ms(self) -> float:
+        return self.serialize_ms + self.call_ms + self.deserialize_ms
+
+
+class MeasuredClient:
+    """Unary calls on raw bytes, so encode, wire and decode are timed apart."""
+
+    def __init__(self, address: str, service: str):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._service = service
+        self._methods: dict[str, Callable] = {}
+
+    def _stub(self, method: str) -> Callable:
+        stub = self._methods.get(method)
+        if stub is None:
+            stub = self.channel.unary_unary(f"/{self._service}/{method}")
+            self._methods[method] = stub
+        return stub
+
+    def call_async(self, method: str, request, timeout: float = 10.0) -> grpc.Future:
+        """Fire and forget, for clean-up calls whose answer nobody waits for."""
+        return self._stub(method).future(request.SerializeToString(), timeout=timeout)
+
+    def call(self, method: str, request, response_type, timeout: float | None = 120.0):
+        stub = self._stub(method)
+        t0 = time.perf_counter()
+        payload = request.SerializeToString()
+        t1 = time.perf_counter()
+        reply = stub(payload, timeout=timeout)
+        t2 = time.perf_counter()
+        response = response_type.FromString(reply)
+        t3 = time.perf_counter()
+        cost = CallCost(
+            serialize_ms=(t1 - t0) * 1e3,
+            call_ms=(t2 - t1) * 1e3,
+            deserialize_ms=(t3 - t2) * 1e3,
+            bytes_sent=len(payload),
+            bytes_received=len(reply),
+        )
+        return response, cost
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,67 @@
+"""Per-session state kept by a service, bounded in number and age."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+import grpc
+
+from specdec.rpc import ServiceError, invalid
+
+State = TypeVar("State")
+
+
+class SessionStore(Generic[State]):
+    """Sessions by id. The least recently used session is evicted when the store is full, and
+    any session idle for longer than ttl_s; the caller then re-opens it with its full context."""
+
+    def __init__(self, max_sessions: int, ttl_s: float):
+        self._max = max_sessions
+        self._ttl = ttl_s
+        self._items: OrderedDict[str, tuple[State, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str) -> State:
+        with self._lock:
+            self._expire()
+            item = self._items.get(session_id)
+            if item is None:
+                raise ServiceError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"unknown session '{session_id}': it was never opened here or was evicted; re-open it with `start`",
+                )
+            self._items[session_id] = (item[0], time.monotonic())
+            self._items.move_to_end(session_id)
+            return item[0]
+
+    def put(self, session_id: str, state: State) -> None:
+        with self._lock:
+            self._items[session_id] = (state, time.monotonic())
+            self._items.move_to_end(session_id)
+            while len(self._items) > self._max:
+                self._items.popitem(last=False)
+
+    def pop(self, session_id: str) -> bool:
+        with self._lock:
+            return self._items.pop(session_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (_, seen) in self._items.items() if now - seen > self._ttl]:
+            del self._items[key]
+
+
+
+def check_context(context: list[int], vocab_size: int, max_len: int, field_name: str) -> None:
+    if not context:
+        raise invalid(f"{field_name} is empty")
+    if len(context) >= max_len:
+        raise invalid(f"{field_name} has {len(context)} tokens; the model's context is {max_len}")
+    bad = [t for t in context if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(f"{field_name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

@@ -1,0 +1,120 @@
+"""Draft trees in flat form (token_ids[] + parent[]) and the tensors that verify them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = -1
+
+
+class MalformedTree(ValueError):
+    """A draft tree that cannot be verified; the message says what is wrong."""
+
+
+@dataclass
+class Proposal:
+    """A sparse draft distribution: the probabilities of a few token ids, summing to 1."""
+
+    token_ids: list[int]
+    probs: list[float]
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        q = torch.zeros(vocab_size, dtype=torch.float64)
+        q[torch.tensor(self.token_ids, dtype=torch.long)] = torch.tensor(self.probs, dtype=torch.float64)
+        return q / q.sum()
+
+
+@dataclass
+class DraftTree:
+    token_ids: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)
+    # Node index (ROOT for the root) -> the distribution its children were drawn from.
+    # A node without one has deterministically chosen children (point-mass proposals).
+    proposals: dict[int, Proposal] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parent) if p == node]
+
+    def depths(self) -> list[int]:
+        """Depth of each node; children of the root have depth 1."""
+        depth: list[int] = []
+        for p in self.parent:
+            depth.append(1 if p == ROOT else depth[p] + 1)
+        return depth
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """mask[i, j] is True when node j is node i or one of its ancestors."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parent):
+            if p != ROOT:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def validate(self, vocab_size: int) -> None:
+        if len(self.parent) != len(self.token_ids):
+            raise MalformedTree(
+                f"tree.parent has {len(self.parent)} entries but tree.token_ids has {len(self.token_ids)}"
+            )
+        for i, (tok, p) in enumerate(zip(self.token_ids, self.parent)):
+            if not 0 <= tok < vocab_size:
+                raise MalformedTree(f"tree.token_ids[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
+            if not (p == ROOT or 0 <= p < i):
+                raise MalformedTree(f"tree.parent[{i}] = {p} must be -1 (the root) or an earlier node index")
+        for node, proposal in self.proposals.items():
+            if not (node == ROOT or 0 <= node < len(self)):
+                raise MalformedTree(f"tree.expanded_nodes names node {node}, which is not in the tree")
+            _validate_proposal(node, proposal, vocab_size)
+            support = set(proposal.token_ids)
+            siblings = [self.token_ids[c] for c in self.children(node)]
+            if len(set(siblings)) != len(siblings):
+                raise MalformedTree(f"the children of node {node} repeat a token; sampled siblings are drawn without replacement")
+            missing = [t for t in siblings if t not in support]
+            if missing:
+                raise MalformedTree(f"tokens {missing} under node {node} have no probability in its proposal")
+
+
+def _validate_proposal(node: int, proposal: Proposal, vocab_size: int) -> None:
+    where = f"tree.proposal for node {node}"
+    if len(proposal.token_ids) != len(proposal.probs):
+        raise MalformedTree(f"{where} has {len(proposal.token_ids)} token_ids but {len(proposal.probs)} probs")
+    if not proposal.token_ids:
+        raise MalformedTree(f"{where} is empty")
+    if len(set(proposal.token_ids)) != len(proposal.token_ids):
+        raise MalformedTree(f"{where} repeats a token id")
+    if any(not 0 <= t < vocab_size for t in proposal.token_ids):
+        raise MalformedTree(f"{where} has token ids outside the vocabulary [0, {vocab_size})")
+    probs = torch.tensor(proposal.probs, dtype=torch.float64)
+    if not torch.isfinite(probs).all() or (probs < 0).any() or (probs > 1).any():
+        raise MalformedTree(f"{where}: probs must be finite numbers in [0, 1]")
+    total = float(probs.sum())
+    if abs(total - 1.0) > 1e-3:
+        raise MalformedTree(f"{where}: probs sum to {total:.6f}, not 1")
+
+
+def verification_inputs(
+    tree: DraftTree, num_cached: int, num_pending: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and the 4-D boolean attention mask for one verification pass.
+
+    The pass feeds the `num_pending` committed tokens not yet in the KV cache (the last of
+    them is the tree's root) followed by the tree nodes. Pending tokens attend causally;
+    each node attends to the whole committed context, its ancestors and itself.
+    """
+    root_pos = num_cached + num_pending - 1
+    n = len(tree)
+    positions = list(range(num_cached, num_cached + num_pending)) + [root_pos + d for d in tree.depths()]
+    q_len, kv_len = num_pending + n, num_cached + num_pending + n
+    mask = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    mask[:, :num_cached] = True
+    mask[:num_pending, num_cached : num_cached + num_pending] = torch.ones(
+        num_pending, num_pending, dtype=torch.bool
+    ).tril()
+    mask[num_pending:, num_cached : num_cached + num_pending] = True
+    mask[num_pending:, num_cached + num_pending :] = tree.ancestor_mask()
+    return torch.tensor([positions]), mask[None, None]

@@ -1,0 +1,71 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_token_ids", "use_chat_template", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_draft_tokens")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    USE_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    use_chat_template: bool
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    num_draft_tokens: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., use_chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class RoundStats(_message.Message):
+    __slots__ = ("rounds", "mean_accepted_per_round", "draft_compute_ms", "verify_compute_ms", "wire_serialization_ms", "serialization_ms", "bytes_sent", "bytes_received", "speculation_budget", "total_ms", "generated_tokens", "tokens_per_second")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_SERIALIZATION_MS_FIELD_NUMBER: _ClassVar[int]
+    SERIALIZATION_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    mean_accepted_per_round: float
+    draft_compute_ms: float
+    verify_compute_ms: float
+    wire_serialization_ms: float
+    serialization_ms: float
+    bytes_sent: int
+    bytes_received: int
+    speculation_budget: int
+    total_ms: float
+    generated_tokens: int
+    tokens_per_second: float
+    def __init__(self, rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., wire_serialization_ms: _Optional[float] = ..., serialization_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., speculation_budget: _Optional[int] = ..., total_ms: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    stats: RoundStats
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ...) -> None: ...

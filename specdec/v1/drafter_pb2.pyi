@@ -1,0 +1,36 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftRequest(_message.Message):
+    __slots__ = ("session_id", "round", "start", "new_token_ids", "committed_length", "num_draft_tokens", "verifier_tokenizer_fingerprint")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    start: _common_pb2.SessionStart
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    committed_length: int
+    num_draft_tokens: int
+    verifier_tokenizer_fingerprint: str
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., verifier_tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("tree", "compute_ms", "handler_ms")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_MS_FIELD_NUMBER: _ClassVar[int]
+    tree: _common_pb2.DraftTree
+    compute_ms: float
+    handler_ms: float
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ...) -> None: ...

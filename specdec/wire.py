@@ -1,0 +1,60 @@
+"""Conversions between the wire messages and the in-process types."""
+from __future__ import annotations
+
+from specdec.rpc import invalid
+from specdec.sampling import Sampling, validate_sampling
+from specdec.tree import DraftTree, Proposal
+from specdec.v1 import common_pb2
+
+VERIFIER_SERVICE = "specdec.v1.Verifier"
+DRAFTER_SERVICE = "specdec.v1.Drafter"
+COORDINATOR_SERVICE = "specdec.v1.Coordinator"
+
+
+def tree_to_proto(tree: DraftTree) -> common_pb2.DraftTree:
+    message = common_pb2.DraftTree(token_ids=tree.token_ids, parent=tree.parent)
+    for node, proposal in tree.proposals.items():
+        message.expanded_nodes.append(node)
+        message.proposal.add(token_ids=proposal.token_ids, probs=proposal.probs)
+    return message
+
+
+def tree_from_proto(message: common_pb2.DraftTree) -> DraftTree:
+    if len(message.expanded_nodes) != len(message.proposal):
+        raise invalid(
+            f"tree.expanded_nodes has {len(message.expanded_nodes)} entries but tree.proposal has {len(message.proposal)}"
+        )
+    proposals = {}
+    for node, dist in zip(message.expanded_nodes, message.proposal):
+        if node in proposals:
+            raise invalid(f"tree.expanded_nodes names node {node} twice")
+        proposals[node] = Proposal(list(dist.token_ids), list(dist.probs))
+    return DraftTree(list(message.token_ids), list(message.parent), proposals)
+
+
+def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed
+    )
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams, field_prefix: str = "") -> Sampling:
+    top_p = message.top_p if message.top_p != 0 else 1.0
+    try:
+        validate_sampling(message.temperature, top_p, message.top_k)
+    except ValueError as err:
+        raise invalid(field_prefix + str(err)) from None
+    return Sampling(message.temperature, top_p, message.top_k, message.seed)
+
+
+def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
+    config = engine.model.config
+    return common_pb2.ModelInfo(
+        model=model_name,
+        vocab_size=engine.vocab_size,
+        tokenizer_fingerprint=engine.fingerprint,
+        eos_token_ids=sorted(engine.eos_ids),
+        max_context=engine.max_context,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+    )

@@ -1,0 +1,1 @@
+"""The verifier service: hosts the target model and verifies draft trees exactly."""

@@ -1,0 +1,62 @@
+"""The verifier's gRPC server."""
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from specdec.models import set_torch_threads
+from specdec.rpc import invalid, reports_errors, start_server
+from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.wire import VERIFIER_SERVICE, model_info, sampling_from_proto, tree_from_proto
+from verifier_service.verifier import VerifierEngine
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine):
+        self.engine = engine
+
+    @reports_errors
+    def Info(self, request, context):
+        return model_info(self.engine, self.engine.spec.source)
+
+    @reports_errors
+    def Verify(self, request: verifier_pb2.VerifyRequest, context):
+        start = time.perf_counter()
+        if not request.session_id:
+            raise invalid("session_id is empty")
+        if request.HasField("start"):
+            sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
+            session = self.engine.open_session(request.session_id, list(request.start.context_token_ids), sampling)
+        else:
+            session = self.engine.sessions.get(request.session_id)
+        tree = tree_from_proto(request.tree)
+        if request.fused_tokens and len(tree):
+            raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
+        result = self.engine.verify(session, request.round, tree, request.fused_tokens)
+        return verifier_pb2.VerifyResponse(
+            token_ids=result.token_ids,
+            num_accepted_draft_tokens=result.num_accepted,
+            committed_length=result.committed_length,
+            compute_ms=result.compute_ms,
+            handler_ms=(time.perf_counter() - start) * 1e3,
+        )
+
+    @reports_errors
+    def EndSession(self, request, context):
+        return common_pb2.EndSessionResponse(existed=self.engine.sessions.pop(request.session_id))
+
+
+
+def start(config) -> tuple[grpc.Server, int]:
+    """Loads the model and starts serving it; returns (grpc server, bound port)."""
+    set_torch_threads(config.torch_threads)
+    engine = VerifierEngine(config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes)
+    servicer = VerifierServicer(engine)
+    server, bound, _ = start_server(
+        lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+        config.host,
+        config.port,
+        health_service=VERIFIER_SERVICE,
+    )
+    return server, bound

@@ -1,0 +1,141 @@
+"""The verifier's model-side logic: sessions with a KV cache of exactly the committed tokens,
+one-pass tree verification and verifier-only ("fused") generation."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from transformers import DynamicCache
+
+from specdec.kv_cache import keep_positions
+from specdec.models import ModelSpec, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
+from specdec.rpc import ServiceError, invalid
+from specdec.sampling import Sampling, accept_greedy, accept_sampled, sample, warp_probs
+from specdec.sessions import SessionStore, check_context
+from specdec.tree import DraftTree, MalformedTree, verification_inputs
+
+
+@dataclass
+class RoundResult:
+    token_ids: list[int]
+    num_accepted: int
+    committed_length: int
+    compute_ms: float
+
+
+@dataclass
+class VerifierSession:
+    tokens: list[int]  # the committed context
+    sampling: Sampling
+    generator: torch.Generator
+    cache: DynamicCache
+    last_round: int = 0
+    last_result: RoundResult | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def num_cached(self) -> int:
+        return self.cache.get_seq_length()
+
+
+class VerifierEngine:
+    def __init__(self, spec: ModelSpec, max_sessions: int = 64, session_ttl_s: float = 600.0, max_tree_nodes: int = 256):
+        self.spec = spec
+        self.model = load_model(spec)
+        self.tokenizer = load_tokenizer(spec.source)
+        self.vocab_size = len(self.tokenizer)
+        self.eos_ids = set(eos_token_ids(self.model, self.tokenizer))
+        self.max_context = max_context(self.model)
+        self.max_tree_nodes = max_tree_nodes
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.sessions: SessionStore[VerifierSession] = SessionStore(max_sessions, session_ttl_s)
+        self._model_lock = threading.Lock()  # one forward pass at a time on a shared model
+
+    def open_session(self, session_id: str, context: list[int], sampling: Sampling) -> VerifierSession:
+        check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
+        generator = torch.Generator().manual_seed(sampling.seed)
+        session = VerifierSession(list(context), sampling, generator, DynamicCache(config=self.model.config))
+        self.sessions.put(session_id, session)
+        return session
+
+    def verify(self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int) -> RoundResult:
+        with session.lock:
+            if round_number == session.last_round and session.last_result is not None:
+                return session.last_result  # a retried round commits nothing twice
+            if round_number != session.last_round + 1:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"round {round_number} out of order: the session's last round was {session.last_round}",
+                )
+            try:
+                tree.validate(self.vocab_size)
+            except MalformedTree as err:
+                raise invalid(str(err)) from None
+            if len(tree) > self.max_tree_nodes:
+                raise invalid(f"tree has {len(tree)} nodes; this verifier takes at most {self.max_tree_nodes}")
+            if len(session.tokens) + len(tree) + max(fused_tokens, 1) > self.max_context:
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"the session would exceed the model's context of {self.max_context} tokens",
+                )
+            start = time.perf_counter()
+            with self._model_lock, torch.inference_mode():
+                if len(tree) == 0:
+                    new_tokens, num_accepted = self._generate(session, max(fused_tokens, 1)), 0
+                else:
+                    new_tokens = self._verify_tree(session, tree)
+                    num_accepted = len(new_tokens) - 1
+            compute_ms = (time.perf_counter() - start) * 1e3
+            session.tokens.extend(new_tokens)
+            result = RoundResult(new_tokens, num_accepted, len(session.tokens), compute_ms)
+            session.last_round, session.last_result = round_number, result
+            return result
+
+    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, **kwargs) -> torch.Tensor:
+        out = self.model(
+            input_ids=torch.tensor([input_ids], device=self.model.device),
+            past_key_values=session.cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+            **kwargs,
+        )
+        return out.logits[0].float()
+
+    def _choose(self, session: VerifierSession, logits: torch.Tensor) -> int:
+        if session.sampling.greedy:
+            return int(logits.argmax())
+        return sample(warp_probs(logits, session.sampling), session.generator)
+
+    def _generate(self, session: VerifierSession, max_tokens: int) -> list[int]:
+        new: list[int] = []
+        pending = session.tokens[session.num_cached :]
+        for _ in range(max_tokens):
+            token = self._choose(session, self._forward(session, pending, 1)[-1])
+            new.append(token)
+            if token in self.eos_ids:
+                break
+            pending = [token]
+        return new
+
+    def _verify_tree(self, session: VerifierSession, tree: DraftTree) -> list[int]:
+        num_cached = session.num_cached
+        pending = session.tokens[num_cached:]
+        positions, mask = verification_inputs(tree, num_cached, len(pending))
+        logits = self._forward(
+            session,
+            pending + tree.token_ids,
+            len(tree) + 1,
+            position_ids=positions.to(self.model.device),
+            attention_mask=mask.to(self.model.device),
+        )
+        if session.sampling.greedy:
+            path, next_token = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+        else:
+            path, next_token = accept_sampled(tree, warp_probs(logits, session.sampling), session.generator)
+        committed_len = num_cached + len(pending)
+        keep_positions(session.cache, committed_len, [committed_len + node for node in path])
+        return [tree.token_ids[node] for node in path] + [next_token]
+
