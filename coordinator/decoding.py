@@ -23,6 +23,7 @@ class Meter:
     rounds: int = 0
     speculative_rounds: int = 0
     accepted: int = 0
+    drafted: int = 0
     draft_compute_ms: float = 0.0
     verify_compute_ms: float = 0.0
     overhead_ms: float = 0.0
@@ -56,6 +57,8 @@ class Meter:
             total_ms=total_ms,
             generated_tokens=generated,
             tokens_per_second=generated / (total_ms / 1e3) if total_ms > 0 else 0.0,
+            accepted_draft_tokens=self.accepted,
+            drafted_tokens=self.drafted,
         )
 
 
@@ -74,6 +77,7 @@ def decode_rounds(
             verdict, verify_call = session.verify(draft.tree)
             meter.speculative_rounds += 1
             meter.accepted += verdict.num_accepted_draft_tokens
+            meter.drafted += num_draft
         else:
             verdict, verify_call = session.verify(None, fused_tokens=min(fused_block, remaining))
         meter.add_call(verify_call, is_draft=False)

@@ -1,0 +1,30 @@
+"""The Ray Serve application: drafter, verifier and coordinator as three deployments.
+
+`serve run deploy/serve.yaml` and `specdec serve` both build it here. Application args are
+either {"config_file": path} or the config mapping itself (or both: the mapping overrides
+the file), in the schema of specdec.config.
+"""
+from __future__ import annotations
+
+from ray.serve import Application
+
+from coordinator.deployment import CoordinatorDeployment
+from drafter_service.deployment import DrafterDeployment
+from specdec.config import Config, config_from_dict, config_to_dict, load_config
+from verifier_service.deployment import VerifierDeployment
+
+
+def build_config(args: dict | None) -> Config:
+    args = dict(args or {})
+    base = load_config(args.pop("config_file", None))
+    return config_from_dict(args, base=base)
+
+
+def build_app(args: dict | None = None) -> Application:
+    config = build_config(args)
+    as_dict = config_to_dict(config)
+    drafter = DrafterDeployment.options(ray_actor_options=config.drafter.ray_actor_options).bind(as_dict)
+    verifier = VerifierDeployment.options(ray_actor_options=config.verifier.ray_actor_options).bind(as_dict)
+    return CoordinatorDeployment.options(ray_actor_options=config.coordinator.ray_actor_options).bind(
+        as_dict, drafter, verifier
+    )

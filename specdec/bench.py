@@ -1,0 +1,224 @@
+"""`specdec bench`: speed measured side by side in one run on the same prompts.
+
+Methods: verifier-only decoding through the services (`autoregressive`), speculative
+decoding through the services (`speculative`, one row per budget), Hugging Face assisted
+generation with the same pair in-process (`hf_assisted`) and plain `generate()` of the
+verifier in-process (`hf_generate`). Writes JSON and a plot, prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+PACKAGED_PROMPTS = Path(__file__).parent / "data" / "spec_bench.jsonl"
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", default=str(PACKAGED_PROMPTS), help="Spec-Bench style JSONL (first turn is the prompt)")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
+    parser.add_argument("--skip-prompts", type=int, default=0, help="skip this many matching prompts first")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
+    parser.add_argument("--budgets", default="2,4", help="comma-separated draft tokens per round for `speculative`")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", help="YAML config for the stack (models, placement, speculation)")
+    parser.add_argument("--port", type=int, default=50061, help="client port of the stack the bench starts")
+    parser.add_argument("--address", help="benchmark an already running stack at host:port instead")
+    parser.add_argument("--out", default="bench_results/bench.json", help="JSON output; the plot goes beside it")
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+    accepted: int = 0
+    speculative_rounds: int = 0
+    wire_ms: float = 0.0
+    total_ms: float = 0.0
+    bytes_per_round: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add_service(self, response, seconds: float) -> None:
+        stats = response.stats
+        self.tokens += len(response.token_ids)
+        self.seconds += seconds
+        self.accepted += stats.accepted_draft_tokens
+        self.speculative_rounds += stats.rounds if stats.drafted_tokens else 0
+        self.wire_ms += stats.wire_serialization_ms
+        self.total_ms += stats.total_ms
+        self.bytes_per_round.append((stats.bytes_sent + stats.bytes_received) / max(stats.rounds, 1))
+        self.outputs.append(list(response.token_ids))
+
+
+def load_prompts(path: str, num: int, categories: str | None, skip: int) -> list[dict]:
+    wanted = set(categories.split(",")) if categories else None
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if wanted is None or r["category"] in wanted]
+    chosen = rows[skip : skip + num]
+    if not chosen:
+        raise SystemExit(f"no prompts left in {path} for categories={categories} skip={skip}")
+    return [{"question_id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in chosen]
+
+
+def run_bench(args) -> int:
+    from specdec.app import build_config
+    from specdec.client import CoordinatorClient, generate_request
+    from specdec.launch import start_stack, stop_stack
+    from specdec.models import load_model, load_tokenizer
+
+    temperatures = [float(t) for t in args.temperature.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    prompts = load_prompts(args.prompts, args.num_prompts, args.categories, args.skip_prompts)
+    app_args = {"coordinator": {"port": args.port}, **({"config_file": args.config} if args.config else {})}
+    config = build_config(app_args)
+    address = args.address or start_stack(app_args, args.port)
+    client = CoordinatorClient(address)
+    tokenizer = load_tokenizer(config.verifier.model.source)
+    verifier, drafter = load_model(config.verifier.model), load_model(config.drafter.model)
+    chat_ids = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, return_dict=False)
+        for p in prompts
+    ]
+
+    def through_services(budget: int, temperature: float) -> Tally:
+        tally = Tally()
+        for i, ids in enumerate(chat_ids):
+            request = generate_request(
+                prompt_token_ids=ids, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, num_draft_tokens=budget
+            )
+            start = time.perf_counter()
+            response = client.generate(request)
+            tally.add_service(response, time.perf_counter() - start)
+        return tally
+
+    def in_process(assisted: bool, temperature: float) -> Tally:
+        tally = Tally()
+        for i, ids in enumerate(chat_ids):
+            torch.manual_seed(args.seed + i)
+            inputs = torch.tensor([ids])
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = verifier.generate(
+                    inputs,
+                    attention_mask=torch.ones_like(inputs),
+                    max_new_tokens=args.max_new_tokens,
+                    assistant_model=drafter if assisted else None,
+                    pad_token_id=tokenizer.eos_token_id,
+                    **sampling,
+                )
+            tally.seconds += time.perf_counter() - start
+            new = out[0, len(ids) :].tolist()
+            tally.tokens += len(new)
+            tally.outputs.append(new)
+        return tally
+
+    # (name, method, budget, runner)
+    methods = [("autoregressive", "autoregressive", 0, lambda t: through_services(0, t))]
+    methods += [(f"speculative_k{b}", "speculative", b, lambda t, b=b: through_services(b, t)) for b in budgets]
+    methods += [
+        ("hf_assisted", "hf_assisted", None, lambda t: in_process(True, t)),
+        ("hf_generate", "hf_generate", None, lambda t: in_process(False, t)),
+    ]
+    results = []
+    try:
+        for temperature in temperatures:
+            warm = generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature)
+            client.generate(warm)
+            tallies = {}
+            for name, method, budget, runner in tqdm(methods, desc=f"T={temperature}", unit="method"):
+                tallies[name] = runner(temperature)
+            base = tallies["autoregressive"]
+            reference = tallies["hf_generate"].outputs
+            for name, method, budget, _ in methods:
+                tally = tallies[name]
+                tps = tally.tokens / tally.seconds if tally.seconds else 0.0
+                row = {
+                    "name": name,
+                    "method": method,
+                    "budget": budget,
+                    "temperature": temperature,
+                    "tokens_per_second": tps,
+                    "mean_accepted_per_round": tally.accepted / tally.speculative_rounds if tally.speculative_rounds else None,
+                    "speedup_vs_autoregressive": tps / (base.tokens / base.seconds),
+                    "wire_share": tally.wire_ms / tally.total_ms if tally.total_ms else None,
+                    "bytes_per_round": sum(tally.bytes_per_round) / len(tally.bytes_per_round) if tally.bytes_per_round else None,
+                    "generated_tokens": tally.tokens,
+                    "seconds": tally.seconds,
+                }
+                if temperature == 0:
+                    row["greedy_matches_hf_generate"] = sum(a == b for a, b in zip(tally.outputs, reference)) / len(reference)
+                results.append(row)
+    finally:
+        client.close()
+        if not args.address:
+            stop_stack()
+
+    report = {
+        "config": {
+            "verifier": config.verifier.model.__dict__,
+            "drafter": config.drafter.model.__dict__,
+            "prompts": args.prompts,
+            "question_ids": [p["question_id"] for p in prompts],
+            "categories": sorted({p["category"] for p in prompts}),
+            "max_new_tokens": args.max_new_tokens,
+            "temperatures": temperatures,
+            "budgets": budgets,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot_path = out.with_suffix(".png")
+    plot_results(results, plot_path)
+    print(format_table(results))
+    print(f"wrote {out} and {plot_path}")
+    return 0
+
+
+def format_table(results: list[dict]) -> str:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        "| method | budget | T | tokens/s | speedup vs autoregressive | accepted/round | wire share | greedy = generate() |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['name']} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
+            f"{r['speedup_vs_autoregressive']:.2f}x | {fmt(r['mean_accepted_per_round'], '.2f')} | "
+            f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_hf_generate'), '.0%')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_results(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r["temperature"] for r in results})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        rows = [r for r in results if r["temperature"] == temperature]
+        ax.bar([r["name"] for r in rows], [r["tokens_per_second"] for r in rows], color="tab:blue")
+        for i, r in enumerate(rows):
+            ax.text(i, r["tokens_per_second"], f"{r['speedup_vs_autoregressive']:.2f}x", ha="center", va="bottom")
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_ylabel("tokens / s")
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle("specdec bench: tokens/s (label: speedup vs verifier-only through the services)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,116 @@
+"""The `specdec` command: serve, generate, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+DEFAULT_PROMPT = "Explain speculative decoding in three sentences."
+
+
+def _app_args(args) -> dict:
+    app_args: dict = {"coordinator": {"port": args.port}}
+    if args.config:
+        app_args["config_file"] = args.config
+    return app_args
+
+
+def cmd_serve(args) -> int:
+    from specdec.config import ConfigError
+    from specdec.launch import start_stack, stop_stack
+
+    print("starting Ray Serve: drafter, verifier and coordinator (first start converts the default model once)...", flush=True)
+    try:
+        address = start_stack(_app_args(args), args.port, ray_address=args.ray_address)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print(f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING)", flush=True)
+    if args.demo:
+        _stream_to_terminal(address, args.demo, max_new_tokens=128, temperature=0.0, use_chat_template=True)
+    print("Ctrl-C to stop.", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_stack()
+    return 0
+
+
+def _stream_to_terminal(address: str, prompt: str, **fields) -> None:
+    from specdec.client import CoordinatorClient, format_stats, generate_request
+
+    client = CoordinatorClient(address)
+    last = None
+    for last in client.stream(generate_request(prompt, **fields)):
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    print(f"\n[finish: {last.finish_reason}]\n{format_stats(last.stats)}", flush=True)
+    client.close()
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    try:
+        _stream_to_terminal(
+            args.address,
+            args.prompt,
+            use_chat_template=not args.raw,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop or None,
+            num_draft_tokens=args.num_draft_tokens,
+        )
+    except grpc.RpcError as err:
+        print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from specdec.bench import run_bench
+
+    return run_bench(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Distributed speculative decoding over gRPC and Ray Serve.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start Ray locally (or join --ray-address) and deploy the app")
+    serve.add_argument("--config", help="YAML config (models, placement, ports, speculation)")
+    serve.add_argument("--port", type=int, default=50051, help="client gRPC port (default 50051)")
+    serve.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    serve.add_argument("--demo", nargs="?", const=DEFAULT_PROMPT, help="once serving, stream one answer to this prompt")
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream an answer from a running server and print round statistics")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="localhost:50051")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--num-draft-tokens", type=int, help="draft tokens per round; 0 = verifier only")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="speed benchmark: speculative vs verifier-only vs HF assisted vs HF generate")
+    from specdec.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

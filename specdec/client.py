@@ -1,0 +1,39 @@
+"""A small client for the Coordinator API, used by `specdec generate` and the benchmark."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+def generate_request(prompt: str = "", **fields) -> coordinator_pb2.GenerateRequest:
+    """A GenerateRequest; fields left as None stay unset (the server's defaults)."""
+    return coordinator_pb2.GenerateRequest(prompt=prompt, **{k: v for k, v in fields.items() if v is not None})
+
+
+class CoordinatorClient:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    def generate(self, request: coordinator_pb2.GenerateRequest, timeout: float = 600.0) -> coordinator_pb2.GenerateResponse:
+        return self.stub.Generate(request, timeout=timeout)
+
+    def stream(self, request: coordinator_pb2.GenerateRequest, timeout: float = 600.0) -> Iterator[coordinator_pb2.GenerateResponse]:
+        return self.stub.GenerateStream(request, timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def format_stats(stats: coordinator_pb2.RoundStats) -> str:
+    return (
+        f"{stats.generated_tokens} tokens in {stats.total_ms / 1e3:.2f} s ({stats.tokens_per_second:.1f} tok/s), "
+        f"{stats.rounds} rounds, budget {stats.speculation_budget}, "
+        f"{stats.mean_accepted_per_round:.2f} accepted drafts/round\n"
+        f"draft {stats.draft_compute_ms:.0f} ms, verify {stats.verify_compute_ms:.0f} ms, "
+        f"wire+serialization {stats.wire_serialization_ms:.0f} ms (serialization {stats.serialization_ms:.1f} ms), "
+        f"sent {stats.bytes_sent} B, received {stats.bytes_received} B"
+    )

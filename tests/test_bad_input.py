@@ -1,0 +1,164 @@
+"""Every kind of bad input gets a clear gRPC error naming what was wrong, and the services
+keep serving others."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specdec.client import CoordinatorClient, generate_request
+from specdec.rpc import MeasuredClient
+from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specdec.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def clients(tiny_stack):
+    coordinator = CoordinatorClient(tiny_stack["coordinator"])
+    verifier = MeasuredClient(tiny_stack["verifier"], VERIFIER_SERVICE)
+    drafter = MeasuredClient(tiny_stack["drafter"], DRAFTER_SERVICE)
+    yield coordinator, verifier, drafter
+    for c in (coordinator, verifier, drafter):
+        c.close()
+
+
+def expect_error(call, code, *phrases):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == code, err.value.details()
+    for phrase in phrases:
+        assert phrase in err.value.details(), err.value.details()
+
+
+def still_serving(coordinator):
+    assert len(coordinator.generate(generate_request("w1 w2", max_new_tokens=4)).token_ids) >= 1
+
+
+@pytest.mark.parametrize(
+    "fields,phrases",
+    [
+        ({}, ["prompt is empty"]),
+        ({"prompt": ""}, ["prompt is empty"]),
+        ({"prompt": "w1 " * 200}, ["prompt has", "context"]),
+        ({"prompt": "w1", "max_new_tokens": 0}, ["max_new_tokens"]),
+        ({"prompt": "w1", "max_new_tokens": -3}, ["max_new_tokens"]),
+        ({"prompt": "w1", "max_new_tokens": 100000}, ["max_new_tokens", "2048"]),
+        ({"prompt": "w1", "temperature": -0.5}, ["temperature"]),
+        ({"prompt": "w1", "temperature": 1.0, "top_p": 0.0}, ["top_p"]),
+        ({"prompt": "w1", "temperature": 1.0, "top_p": 1.5}, ["top_p"]),
+        ({"prompt": "w1", "temperature": 1.0, "top_k": -2}, ["top_k"]),
+        ({"prompt_token_ids": [1, 99999]}, ["prompt_token_ids", "vocabulary"]),
+        ({"prompt_token_ids": [1, -4]}, ["prompt_token_ids", "vocabulary"]),
+        ({"prompt": "w1", "prompt_token_ids": [1]}, ["only one of prompt and prompt_token_ids"]),
+        ({"prompt": "w1", "stop": [""]}, ["stop"]),
+        ({"prompt": "w1", "num_draft_tokens": -1}, ["num_draft_tokens"]),
+    ],
+)
+def test_bad_generate_requests(clients, fields, phrases):
+    coordinator = clients[0]
+    expect_error(lambda: coordinator.generate(generate_request(**fields)), INVALID, *phrases)
+    expect_error(lambda: list(coordinator.stream(generate_request(**fields))), INVALID, *phrases)
+    still_serving(coordinator)
+
+
+def _verify(verifier, **fields):
+    return verifier.call("Verify", verifier_pb2.VerifyRequest(**fields), verifier_pb2.VerifyResponse)
+
+
+def _start(context=(1, 4, 5), **sampling):
+    return common_pb2.SessionStart(context_token_ids=list(context), sampling=common_pb2.SamplingParams(**sampling))
+
+
+def _tree(tokens, parents, proposals=()):
+    tree = common_pb2.DraftTree(token_ids=tokens, parent=parents)
+    for node, ids, probs in proposals:
+        tree.expanded_nodes.append(node)
+        tree.proposal.add(token_ids=ids, probs=probs)
+    return tree
+
+
+@pytest.mark.parametrize(
+    "tree,phrases",
+    [
+        (_tree([3, 99], [-1, 0]), ["tree.token_ids[1] = 99", "vocabulary"]),
+        (_tree([3, -1], [-1, 0]), ["tree.token_ids[1]", "vocabulary"]),
+        (_tree([3, 4], [-1]), ["tree.parent has 1 entries", "tree.token_ids has 2"]),
+        (_tree([3, 4], [-1, 1]), ["tree.parent[1] = 1"]),
+        (_tree([3, 4], [-1, 5]), ["tree.parent[1] = 5"]),
+        (_tree([3], [-1], [(-1, [3, 4], [0.5, 0.7])]), ["probs sum to"]),
+        (_tree([3], [-1], [(-1, [3, 4], [1.5, -0.5])]), ["probs must be finite numbers in [0, 1]"]),
+        (_tree([3], [-1], [(-1, [3, 4], [float("nan"), 0.5])]), ["finite"]),
+        (_tree([3], [-1], [(-1, [3, 4], [1.0])]), ["1 probs", "2 token_ids"]),
+        (_tree([3], [-1], [(-1, [4, 5], [0.5, 0.5])]), ["no probability in its proposal"]),
+        (_tree([3], [-1], [(-1, [3, 77], [0.5, 0.5])]), ["outside the vocabulary"]),
+        (_tree([3], [-1], [(4, [3], [1.0])]), ["expanded_nodes names node 4"]),
+    ],
+)
+def test_malformed_draft_sent_to_the_verifier(clients, tree, phrases):
+    _, verifier, _ = clients
+    expect_error(lambda: _verify(verifier, session_id="bad-tree", round=1, start=_start(temperature=1.0), tree=tree), INVALID, *phrases)
+    reply, _ = _verify(verifier, session_id="bad-tree", round=1, start=_start(temperature=1.0), tree=_tree([3], [-1], [(-1, [3], [1.0])]))
+    assert reply.committed_length >= 4
+
+
+def test_mismatched_proposal_arrays(clients):
+    _, verifier, _ = clients
+    tree = _tree([3], [-1], [(-1, [3], [1.0])])
+    tree.expanded_nodes.append(0)
+    expect_error(lambda: _verify(verifier, session_id="s", round=1, start=_start(), tree=tree), INVALID, "expanded_nodes has 2", "proposal has 1")
+
+
+def test_unknown_session(clients):
+    coordinator, verifier, drafter = clients
+    expect_error(lambda: _verify(verifier, session_id="never-opened", round=1), grpc.StatusCode.NOT_FOUND, "unknown session 'never-opened'")
+    expect_error(
+        lambda: drafter.call("Draft", drafter_pb2.DraftRequest(session_id="never-opened", num_draft_tokens=2, committed_length=3), drafter_pb2.DraftResponse),
+        grpc.StatusCode.NOT_FOUND,
+        "unknown session",
+    )
+    expect_error(lambda: _verify(verifier, session_id="", round=1), INVALID, "session_id is empty")
+    still_serving(coordinator)
+
+
+def test_bad_session_starts(clients):
+    _, verifier, drafter = clients
+    expect_error(lambda: _verify(verifier, session_id="x", round=1, start=_start(context=())), INVALID, "start.context_token_ids is empty")
+    expect_error(lambda: _verify(verifier, session_id="x", round=1, start=_start(context=(1, 500))), INVALID, "outside the vocabulary")
+    expect_error(lambda: _verify(verifier, session_id="x", round=1, start=_start(temperature=-1.0)), INVALID, "start.sampling", "temperature")
+    expect_error(
+        lambda: drafter.call(
+            "Draft",
+            drafter_pb2.DraftRequest(session_id="y", start=_start(), committed_length=3, num_draft_tokens=0),
+            drafter_pb2.DraftResponse,
+        ),
+        INVALID,
+        "num_draft_tokens",
+    )
+
+
+def test_mismatched_tokenizer_is_refused(clients):
+    _, _, drafter = clients
+    request = drafter_pb2.DraftRequest(
+        session_id="tok", start=_start(), committed_length=3, num_draft_tokens=2, verifier_tokenizer_fingerprint="0" * 32
+    )
+    expect_error(lambda: drafter.call("Draft", request, drafter_pb2.DraftResponse), INVALID, "mismatched tokenizers")
+
+
+def test_coordinator_refuses_a_mismatched_pair(tiny_dirs):
+    import drafter_service.server
+    import verifier_service.server
+    from coordinator.clients import PairMismatch, ServicePair
+    from specdec.config import config_from_dict
+
+    config = config_from_dict(
+        {"verifier": {"model": str(tiny_dirs["verifier"])}, "drafter": {"model": str(tiny_dirs["other_words"])}}
+    )
+    v_server, v_port = verifier_service.server.start(config.verifier)
+    d_server, d_port = drafter_service.server.start(config.drafter)
+    try:
+        with pytest.raises(PairMismatch, match="mismatched tokenizers"):
+            ServicePair(f"localhost:{d_port}", f"localhost:{v_port}")
+    finally:
+        v_server.stop(None)
+        d_server.stop(None)

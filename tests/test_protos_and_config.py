@@ -1,0 +1,58 @@
+"""The committed generated gRPC code is current, and configuration errors are clear."""
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+import pytest
+
+from specdec.config import ConfigError, config_from_dict, load_config
+from specdec.protos import REPO_ROOT, generate
+
+
+def test_generated_code_is_current(tmp_path):
+    generate(tmp_path)
+    fresh = sorted(p.name for p in (tmp_path / "specdec" / "v1").iterdir())
+    committed = REPO_ROOT / "specdec" / "v1"
+    assert fresh == sorted(p.name for p in committed.iterdir() if p.suffix in (".py", ".pyi"))
+    stale = [name for name in fresh if not filecmp.cmp(tmp_path / "specdec" / "v1" / name, committed / name, shallow=False)]
+    assert not stale, f"run `python -m specdec.protos`: {stale} differ from protos/"
+
+
+def test_default_config_is_the_builtin_pair():
+    config = load_config(None)
+    assert config.verifier.model.source == "smollm2-135m-instruct"
+    assert config.coordinator.port == 50051
+
+
+@pytest.mark.parametrize(
+    "data,phrase",
+    [
+        ({"verifer": {}}, "unknown key verifer"),
+        ({"drafter": {"model": {"sorce": "x"}}}, "unknown key drafter.model.sorce"),
+        ({"coordinator": {"port": "fast"}}, "coordinator.port must be int"),
+        ({"coordinator": {"port": 70000}}, "coordinator.port must be in"),
+        ({"coordinator": {"num_draft_tokens": -1}}, "num_draft_tokens"),
+        ({"coordinator": {"default_max_new_tokens": 5000}}, "default_max_new_tokens"),
+        ({"verifier": {"model": {"dtype": "int8"}}}, "verifier.model.dtype"),
+        ({"drafter": {"model": {"layers": 0}}}, "drafter.model.layers"),
+        ({"drafter": {"ray_actor_options": 3}}, "drafter.ray_actor_options must be a mapping"),
+        ({"verifier": {"model": 12}}, "verifier.model must be a mapping"),
+    ],
+)
+def test_config_errors_name_the_key(data, phrase):
+    with pytest.raises(ConfigError, match=phrase):
+        config_from_dict(data)
+
+
+def test_yaml_file_loading(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("coordinator:\n  num_draft_tokens: 6\ndrafter:\n  model: some/model\n")
+    config = load_config(path)
+    assert config.coordinator.num_draft_tokens == 6
+    assert config.drafter.model.source == "some/model" and config.drafter.model.layers is None
+    path.write_text("coordinator: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")

@@ -1,0 +1,174 @@
+"""The three services over real gRPC with tiny random-weight models: exactness against the
+verifier's own generate(), streaming, stop strings, sessions and concurrency."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from specdec.client import CoordinatorClient, generate_request
+from specdec.models import ModelSpec, load_model
+from specdec.rpc import MeasuredClient
+from specdec.v1 import common_pb2, verifier_pb2
+from specdec.wire import VERIFIER_SERVICE
+from tests.conftest import local_stack, tiny_config
+from tests.stats import assert_matches_distribution
+
+PROMPTS = ["w1 w2 w3", "w7", "w4 w4 w9 w12 w0", "w11 w3 w8 w8 w2 w5 w6"]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_stack):
+    c = CoordinatorClient(tiny_stack["coordinator"])
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def verifier_model(tiny_dirs):
+    return load_model(ModelSpec(str(tiny_dirs["verifier"])))
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3, 6])
+def test_greedy_is_token_identical_to_generate(client, tiny_stack, verifier_model, budget):
+    tokenizer = tiny_stack["coordinator_obj"].tokenizer
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        response = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=40, num_draft_tokens=budget))
+        assert list(response.token_ids) == hf_greedy(verifier_model, ids, 40), prompt
+        assert response.finish_reason in ("stop", "length")
+        assert response.stats.speculation_budget == budget
+
+
+def test_text_prompt_chat_template_and_stats(client, tiny_stack, verifier_model):
+    tokenizer = tiny_stack["coordinator_obj"].tokenizer
+    response = client.generate(generate_request("w5 w6", use_chat_template=True, max_new_tokens=30))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}], add_generation_prompt=True, return_dict=False)
+    assert list(response.token_ids) == hf_greedy(verifier_model, ids, 30)
+    assert response.text == tokenizer.decode(response.token_ids, skip_special_tokens=True)
+    stats = response.stats
+    assert stats.rounds >= 1 and stats.generated_tokens == len(response.token_ids)
+    assert stats.draft_compute_ms > 0 and stats.verify_compute_ms > 0 and stats.wire_serialization_ms > 0
+    assert stats.bytes_sent > 0 and stats.bytes_received > 0
+    assert 0 <= stats.mean_accepted_per_round <= 3
+    assert stats.accepted_draft_tokens <= stats.drafted_tokens
+
+
+def test_stream_concatenates_to_the_unary_answer(client):
+    request = generate_request("w3 w9", max_new_tokens=30, num_draft_tokens=2)
+    parts = list(client.stream(request))
+    whole = client.generate(request)
+    assert len(parts) >= 2
+    assert "".join(p.text for p in parts) == whole.text
+    assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
+    assert all(not p.finish_reason for p in parts[:-1]) and parts[-1].finish_reason == whole.finish_reason
+    assert parts[-1].stats.rounds == whole.stats.rounds
+
+
+def test_stop_string_ends_generation(client):
+    full = client.generate(generate_request("w1 w2 w3", max_new_tokens=40))
+    words = full.text.split()
+    assert len(words) > 4
+    stop = words[3]
+    cut = client.generate(generate_request("w1 w2 w3", max_new_tokens=40, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert stop not in cut.text
+    streamed = "".join(p.text for p in client.stream(generate_request("w1 w2 w3", max_new_tokens=40, stop=[stop])))
+    assert streamed == cut.text
+
+
+def test_max_new_tokens_and_eos(client, verifier_model, tiny_stack):
+    response = client.generate(generate_request("w1 w2 w3", max_new_tokens=5))
+    assert len(response.token_ids) <= 5
+    assert response.finish_reason == ("stop" if 2 in response.token_ids else "length")
+    # Find a prompt whose greedy answer hits EOS, and check generation ends right there.
+    tokenizer = tiny_stack["coordinator_obj"].tokenizer
+    for first in range(3, 16):
+        ids = [first, 3 + first % 5]
+        reference = hf_greedy(verifier_model, ids, 60)
+        if 2 in reference:
+            out = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=60))
+            assert list(out.token_ids) == reference[: reference.index(2) + 1]
+            assert out.finish_reason == "stop"
+            return
+    pytest.skip("no prompt of the tiny model reaches EOS")
+
+
+def test_concurrent_requests_do_not_cross_talk(client, tiny_stack, verifier_model):
+    tokenizer = tiny_stack["coordinator_obj"].tokenizer
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS] * 2
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(lambda ids: client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=30)), prompts))
+    for ids, answer in zip(prompts, answers):
+        assert list(answer.token_ids) == hf_greedy(verifier_model, ids, 30)
+
+
+def test_sampling_follows_the_verifier_distribution(tiny_dirs, verifier_model):
+    """Thousands of 2-token samples through the real services, against the verifier's exact
+    joint distribution of the first two tokens (chi-square)."""
+    temperature, prompt = 0.9, [1, 5, 9]
+    with torch.inference_mode():
+        first = torch.softmax(verifier_model(torch.tensor([prompt])).logits[0, -1] / temperature, -1).double()
+        vocab = first.shape[0]
+        batch = torch.tensor([prompt + [t] for t in range(vocab)])
+        second = torch.softmax(verifier_model(batch).logits[:, -1] / temperature, -1).double()
+    exact = first[:, None] * second
+    draws = 2500
+    counts = torch.zeros(vocab, vocab)
+    with local_stack(tiny_config(tiny_dirs, num_draft_tokens=2)) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        requests = [
+            generate_request(prompt_token_ids=prompt, max_new_tokens=2, temperature=temperature, seed=seed)
+            for seed in range(draws)
+        ]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            for answer in pool.map(client.generate, requests):
+                tokens = list(answer.token_ids)
+                if tokens[0] == 2:  # EOS first: the second token is never generated
+                    continue
+                counts[tokens[0], tokens[1]] += 1
+        client.close()
+    exact[2] = 0  # rows after EOS are not observed
+    assert_matches_distribution(counts, exact)
+
+
+def test_lost_session_is_reopened_with_full_context(tiny_dirs, verifier_model):
+    """A verifier that forgets sessions (max_sessions=1 under concurrent load) answers
+    NOT_FOUND; the coordinator re-sends the context and the output stays exact."""
+    config = tiny_config(tiny_dirs)
+    config["verifier"]["max_sessions"] = 1
+    config["drafter"]["max_sessions"] = 1
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        prompts = [[3 + i, 4 + i, 5] for i in range(6)]
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            answers = list(pool.map(lambda ids: client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=30)), prompts))
+        client.close()
+    for ids, answer in zip(prompts, answers):
+        assert list(answer.token_ids) == hf_greedy(verifier_model, ids, 30)
+
+
+def test_retried_round_commits_once(tiny_stack):
+    verifier = MeasuredClient(tiny_stack["verifier"], VERIFIER_SERVICE)
+    start = common_pb2.SessionStart(context_token_ids=[1, 4, 5], sampling=common_pb2.SamplingParams())
+    tree = common_pb2.DraftTree(token_ids=[6, 7], parent=[-1, 0])
+    first, _ = verifier.call("Verify", verifier_pb2.VerifyRequest(session_id="retry", round=1, start=start, tree=tree), verifier_pb2.VerifyResponse)
+    again, _ = verifier.call("Verify", verifier_pb2.VerifyRequest(session_id="retry", round=1, tree=tree), verifier_pb2.VerifyResponse)
+    assert list(again.token_ids) == list(first.token_ids)
+    assert again.committed_length == first.committed_length == 3 + len(first.token_ids)
+    second, _ = verifier.call("Verify", verifier_pb2.VerifyRequest(session_id="retry", round=2), verifier_pb2.VerifyResponse)
+    assert second.committed_length == first.committed_length + 1
+    with pytest.raises(grpc.RpcError) as err:
+        verifier.call("Verify", verifier_pb2.VerifyRequest(session_id="retry", round=5), verifier_pb2.VerifyResponse)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round 5" in err.value.details()
+    verifier.close()

@@ -1,0 +1,46 @@
+"""Tiny random-weight models with a tiny word-level tokenizer, saved as real model
+directories so every test goes through the same loading path as real models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(13)]
+CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
+
+
+def build_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model_dir(path: Path, seed: int, layers: int = 2, init_range: float = 0.4, words: list[str] = WORDS) -> Path:
+    """A 2-layer Llama over the tiny vocabulary. A wide init range makes its next-token
+    distributions peaked, like a real model's, so acceptance is neither 0 nor 1."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+        initializer_range=init_range,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    build_tokenizer(words).save_pretrained(path)
+    return path
