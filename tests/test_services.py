@@ -87,21 +87,10 @@ def test_stop_string_ends_generation(client):
     assert streamed == cut.text
 
 
-def test_max_new_tokens_and_eos(client, verifier_model, tiny_stack):
+def test_max_new_tokens(client):
     response = client.generate(generate_request("w1 w2 w3", max_new_tokens=5))
     assert len(response.token_ids) <= 5
     assert response.finish_reason == ("stop" if 2 in response.token_ids else "length")
-    # Find a prompt whose greedy answer hits EOS, and check generation ends right there.
-    tokenizer = tiny_stack["coordinator_obj"].tokenizer
-    for first in range(3, 16):
-        ids = [first, 3 + first % 5]
-        reference = hf_greedy(verifier_model, ids, 60)
-        if 2 in reference:
-            out = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=60))
-            assert list(out.token_ids) == reference[: reference.index(2) + 1]
-            assert out.finish_reason == "stop"
-            return
-    pytest.skip("no prompt of the tiny model reaches EOS")
 
 
 def test_concurrent_requests_do_not_cross_talk(client, tiny_stack, verifier_model):

@@ -1,0 +1,450 @@
+"""The deployment manifests: deploy/serve.yaml and deploy/kuberay/*.yaml.
+
+Offline and fast: no Ray cluster, no Kubernetes, no network. The RayService is validated against
+KubeRay's CRD schema (tests/data/kuberay) made strict, its serveConfigV2 and deploy/serve.yaml
+against Ray Serve's own config schema, their `args` against the project config, and the
+placement (custom resources, GPUs, the head-pod Service) is checked for consistency.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from pydantic import BaseModel
+from ray.serve import Application
+from ray.serve.schema import ServeDeploySchema
+
+from specdec.app import build_app, build_config
+from specdec.config import Config
+
+REPO = Path(__file__).resolve().parent.parent
+SERVE_YAML = REPO / "deploy" / "serve.yaml"
+KUBERAY_DIR = REPO / "deploy" / "kuberay"
+CRD_FILE = Path(__file__).resolve().parent / "data" / "kuberay" / "ray.io_rayservices.yaml"
+APP_NAME = "specdec"
+CLIENT_PORT = 50051
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRD is 1 MB: libyaml is 5x faster
+
+
+def _load_all(path: Path) -> list:
+    return [doc for doc in yaml.load_all(path.read_text(), Loader=_Loader) if doc is not None]
+
+
+@lru_cache(maxsize=None)
+def _kube_docs() -> tuple:
+    files = sorted(KUBERAY_DIR.glob("*.yaml"))
+    assert files, f"no manifests in {KUBERAY_DIR}"
+    return tuple(doc for path in files for doc in _load_all(path))
+
+
+def _kind(kind: str) -> list[dict]:
+    return [copy.deepcopy(doc) for doc in _kube_docs() if doc.get("kind") == kind]
+
+
+def _rayservice() -> dict:
+    found = _kind("RayService")
+    assert len(found) == 1, f"expected one RayService in {KUBERAY_DIR}, found {len(found)}"
+    return found[0]
+
+
+def _serve_configs() -> dict[str, dict]:
+    """Both Serve configs, by where they come from."""
+    return {
+        "deploy/serve.yaml": _load_all(SERVE_YAML)[0],
+        "RayService serveConfigV2": yaml.safe_load(_rayservice()["spec"]["serveConfigV2"]),
+    }
+
+
+def _app(serve_config: dict) -> dict:
+    apps = [a for a in serve_config["applications"] if a.get("name") == APP_NAME]
+    assert len(apps) == 1, f"expected one application named {APP_NAME!r}"
+    return apps[0]
+
+
+def _kuberay_config() -> Config:
+    return build_config(_app(_serve_configs()["RayService serveConfigV2"])["args"])
+
+
+# --- the RayService against KubeRay's CRD, made strict ---------------------------------------
+
+# Keys whose values are data, not sub-schemas.
+_DATA_KEYS = {"default", "enum", "example", "required", "x-kubernetes-validations", "x-kubernetes-list-map-keys"}
+
+
+def _strict(node):
+    """A copy of a CRD (OpenAPI v3) schema that rejects unknown fields: every object schema
+    with `properties` and no `additionalProperties` / `x-kubernetes-preserve-unknown-fields`
+    of its own gets `additionalProperties: false`, as the API server's strict field validation
+    does. Also maps the OpenAPI-only `nullable` and a bare `x-kubernetes-int-or-string` to JSON
+    Schema."""
+    if isinstance(node, list):
+        return [_strict(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "properties":
+            out[key] = {name: _strict(sub) for name, sub in value.items()}
+        elif key in _DATA_KEYS:
+            out[key] = value
+        else:
+            out[key] = _strict(value)
+    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    if out.get("nullable") and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    if out.get("x-kubernetes-int-or-string") and "type" not in out and "anyOf" not in out:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
+def _list_type(validator, list_type, instance, schema):
+    """`x-kubernetes-list-type`: `set` items and `map` items' keys must be unique (`atomic`: no rule)."""
+    if not validator.is_type(instance, "array"):
+        return
+    if list_type == "set":
+        keys = [json.dumps(item, sort_keys=True) for item in instance]
+    elif list_type == "map":
+        names = schema.get("x-kubernetes-list-map-keys", [])
+        item_props = schema.get("items", {}).get("properties", {})
+        # The API server defaults missing key fields (e.g. a port's protocol) before comparing.
+        keys = [
+            json.dumps([item.get(n, item_props.get(n, {}).get("default")) for n in names])
+            for item in instance
+            if isinstance(item, dict)
+        ]
+    else:
+        return
+    duplicates = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicates:
+        yield jsonschema.ValidationError(f"duplicate entries in a list of type {list_type!r}: {duplicates}")
+
+
+_K8sValidator = jsonschema.validators.extend(jsonschema.Draft7Validator, {"x-kubernetes-list-type": _list_type})
+
+_FORMATS = jsonschema.FormatChecker(formats=())  # only the Kubernetes formats below are checked
+
+
+@_FORMATS.checks("int32")
+def _int32(value) -> bool:
+    return not isinstance(value, int) or -(2**31) <= value < 2**31
+
+
+@_FORMATS.checks("int64")
+def _int64(value) -> bool:
+    return not isinstance(value, int) or -(2**63) <= value < 2**63
+
+
+@_FORMATS.checks("int-or-string")
+def _int_or_string(value) -> bool:
+    return isinstance(value, (int, str)) and not isinstance(value, bool)
+
+
+@lru_cache(maxsize=None)
+def _crd() -> dict:
+    return _load_all(CRD_FILE)[0]
+
+
+@lru_cache(maxsize=None)
+def _crd_version_schema(version: str = "v1") -> dict:
+    versions = {v["name"]: v for v in _crd()["spec"]["versions"]}
+    assert versions[version]["served"], f"CRD version {version} is not served"
+    return versions[version]["schema"]["openAPIV3Schema"]
+
+
+@lru_cache(maxsize=None)
+def _strict_validator():
+    schema = _strict(_crd_version_schema())
+    _K8sValidator.check_schema(schema)
+    return _K8sValidator(schema, format_checker=_FORMATS)
+
+
+def _crd_errors(doc: dict, strict: bool = True) -> list[str]:
+    validator = _strict_validator() if strict else _K8sValidator(_crd_version_schema(), format_checker=_FORMATS)
+    return [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    ]
+
+
+def test_rayservice_matches_the_strict_crd_schema():
+    doc = _rayservice()
+    crd = _crd()
+    assert doc["apiVersion"] == f"{crd['spec']['group']}/v1"
+    assert doc["kind"] == crd["spec"]["names"]["kind"]
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"]), "RayService names are DNS-1035 labels"
+    assert _crd_errors(doc) == []
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        ("spec", "rayClusterConfig", "headGroupSpec"),
+        ("spec",),
+        ("spec", "rayClusterConfig", "workerGroupSpecs", 0),
+        ("spec", "rayClusterConfig", "headGroupSpec", "template", "spec", "containers", 0),
+    ],
+    ids=lambda where: ".".join(map(str, where)),
+)
+def test_strict_schema_rejects_an_unknown_field(where):
+    doc = _rayservice()
+    target = doc
+    for key in where:
+        target = target[key]
+    target["bogus"] = 1
+    # The CRD as published lets it through; the strict copy must not.
+    assert _crd_errors(doc, strict=False) == []
+    errors = _crd_errors(doc)
+    assert len(errors) == 1 and "bogus" in errors[0], errors
+    assert errors[0].startswith(".".join(map(str, where)) + ":")
+
+
+def test_strict_schema_rejects_a_duplicate_list_map_key():
+    doc = _rayservice()
+    ports = doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
+    ports.append({**ports[0], "name": "again"})  # same containerPort and protocol
+    errors = _crd_errors(doc)
+    assert any("duplicate entries" in e for e in errors), errors
+
+
+def test_strict_schema_checks_types():
+    doc = _rayservice()
+    doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "1"
+    errors = _crd_errors(doc)
+    assert len(errors) == 1 and "replicas" in errors[0] and "integer" in errors[0], errors
+
+
+# --- the Serve configs against Ray Serve's schema --------------------------------------------
+
+
+def _field_names(model: BaseModel) -> dict[str, str]:
+    """Accepted input key -> attribute name (pydantic 2, or 1 via __fields__)."""
+    fields = getattr(type(model), "model_fields", None) or type(model).__fields__
+    names = {name: name for name in fields}
+    names.update({f.alias: name for name, f in fields.items() if getattr(f, "alias", None)})
+    return names
+
+
+def _unknown_keys(model: BaseModel, data: dict, path: str = "") -> list[str]:
+    """Keys of `data` that `model` has no field for. Ray Serve's schema ignores them silently
+    (a misspelt key would just not take effect), so the test looks for them itself."""
+    unknown = []
+    names = _field_names(model)
+    for key, value in data.items():
+        if key not in names:
+            unknown.append(path + key)
+            continue
+        attr = getattr(model, names[key])
+        if isinstance(attr, BaseModel) and isinstance(value, dict):
+            unknown += _unknown_keys(attr, value, f"{path}{key}.")
+        elif isinstance(attr, list) and isinstance(value, list):
+            for i, (sub, sub_data) in enumerate(zip(attr, value)):
+                if isinstance(sub, BaseModel) and isinstance(sub_data, dict):
+                    unknown += _unknown_keys(sub, sub_data, f"{path}{key}[{i}].")
+    return unknown
+
+
+def _parse_serve_config(data: dict) -> ServeDeploySchema:
+    parse = getattr(ServeDeploySchema, "model_validate", None) or ServeDeploySchema.parse_obj
+    model = parse(data)
+    unknown = _unknown_keys(model, data)
+    assert not unknown, f"keys Ray Serve does not know: {unknown}"
+    return model
+
+
+@pytest.mark.parametrize("source", ["deploy/serve.yaml", "RayService serveConfigV2"])
+def test_serve_config_matches_ray_serve_schema(source):
+    data = _serve_configs()[source]
+    model = _parse_serve_config(data)
+    app = next(a for a in model.applications if a.name == APP_NAME)
+    assert app.import_path == "specdec.app:build_app"
+    assert len(model.applications) == 1
+
+
+def test_unknown_serve_config_keys_are_caught():
+    data = _serve_configs()["deploy/serve.yaml"]
+    _app(data)["route_prefx"] = "/"
+    with pytest.raises(AssertionError, match=r"applications\[0\]\.route_prefx"):
+        _parse_serve_config(data)
+
+
+@pytest.mark.parametrize("source", ["deploy/serve.yaml", "RayService serveConfigV2"])
+def test_app_args_are_a_valid_project_config(source):
+    args = _app(_serve_configs()[source])["args"]
+    assert "config_file" not in args, "the manifests carry the config inline"
+    config = build_config(args)  # strict: raises ConfigError on unknown keys or bad values
+    assert config.coordinator.port == CLIENT_PORT
+    # The real builder: also has Ray check each ray_actor_options (no cluster needed to bind).
+    assert isinstance(build_app(args), Application)
+
+
+def test_local_serve_yaml_fits_one_machine():
+    data = _serve_configs()["deploy/serve.yaml"]
+    assert data["proxy_location"] == "Disabled"
+    config = build_config(_app(data)["args"])
+    for name in ("verifier", "drafter", "coordinator"):
+        options = getattr(config, name).ray_actor_options
+        # No GPUs or custom resources that a laptop lacks, and no CPUs reserved.
+        assert options == {"num_cpus": 0}, f"{name}: {options}"
+    for name in ("verifier", "drafter"):
+        assert getattr(config, name).model.device == "cpu"
+
+
+# --- placement on the KubeRay cluster --------------------------------------------------------
+
+
+def _ray_start_resources(params: dict) -> dict[str, float]:
+    """The `resources` rayStartParam: a JSON object, usually quoted once more for the shell
+    ('"{\\"name\\": 1}"' in YAML)."""
+    value = params.get("resources")
+    if value is None:
+        return {}
+    parsed = json.loads(value)
+    if isinstance(parsed, str):
+        parsed = json.loads(parsed)
+    assert isinstance(parsed, dict), value
+    return {k: float(v) for k, v in parsed.items()}
+
+
+def _groups() -> dict[str, dict]:
+    cluster = _rayservice()["spec"]["rayClusterConfig"]
+    groups = {"<head>": cluster["headGroupSpec"]}
+    groups.update({g["groupName"]: g for g in cluster.get("workerGroupSpecs", [])})
+    return groups
+
+
+def _gpu_limit(group: dict) -> int:
+    containers = group["template"]["spec"]["containers"]
+    return sum(int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) for c in containers)
+
+
+def _advertisers(resource: str) -> dict[str, float]:
+    return {
+        name: amount
+        for name, group in _groups().items()
+        if (amount := _ray_start_resources(group.get("rayStartParams", {})).get(resource, 0)) > 0
+    }
+
+
+@pytest.mark.parametrize("service,resource", [("verifier", "verifier_node"), ("drafter", "drafter_node")])
+def test_model_services_land_on_their_own_gpu_workers(service, resource):
+    section = getattr(_kuberay_config(), service)
+    options = section.ray_actor_options
+    assert options.get("num_gpus", 0) >= 1, f"{service} must ask for a GPU"
+    assert options.get("resources", {}).get(resource, 0) > 0, f"{service} must ask for {resource}"
+    assert section.model.device.startswith("cuda")
+
+    advertisers = _advertisers(resource)
+    assert advertisers and "<head>" not in advertisers, f"{resource} must come from worker groups only: {advertisers}"
+    for name, amount in advertisers.items():
+        group = _groups()[name]
+        assert amount >= options["resources"][resource]
+        num_gpus = int(group["rayStartParams"].get("num-gpus", 0))
+        assert num_gpus >= options["num_gpus"], f"{name} advertises {num_gpus} GPUs"
+        assert _gpu_limit(group) == num_gpus, f"{name}: nvidia.com/gpu limit must match num-gpus"
+        assert group["minReplicas"] >= 1 and group["replicas"] >= 1, f"{name} must start with a pod"
+
+
+def test_groups_pass_kuberay_controller_checks():
+    """The RayCluster checks KubeRay's controller makes (utils/validation.go) that a schema cannot."""
+    cluster = _rayservice()["spec"]["rayClusterConfig"]
+    assert not cluster.get("enableInTreeAutoscaling"), "the pinned layout assumes fixed worker counts"
+    for name, group in _groups().items():
+        assert group["template"]["spec"]["containers"], f"{name} needs a container"
+        params = group.get("rayStartParams", {})
+        assert "labels" not in params, f"{name}: rayStartParams labels are refused; use the group's labels"
+        assert not (group.get("resources") and set(params) & {"num-cpus", "num-gpus", "memory", "resources"}), (
+            f"{name}: resources set both in rayStartParams and the group's resources field"
+        )
+        if name != "<head>":
+            assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
+
+
+def test_verifier_and_drafter_never_share_a_worker_group():
+    assert not set(_advertisers("verifier_node")) & set(_advertisers("drafter_node"))
+
+
+def test_coordinator_is_pinned_to_the_head():
+    options = _kuberay_config().coordinator.ray_actor_options
+    assert options.get("num_cpus") == 0
+    assert options.get("resources", {}).get("coordinator_node", 0) > 0
+    advertisers = _advertisers("coordinator_node")
+    assert list(advertisers) == ["<head>"], advertisers
+    assert advertisers["<head>"] >= options["resources"]["coordinator_node"]
+
+
+def test_images_match_ray_version():
+    cluster = _rayservice()["spec"]["rayClusterConfig"]
+    version = cluster["rayVersion"]
+    for name, group in _groups().items():
+        for container in group["template"]["spec"]["containers"]:
+            image = container["image"]
+            assert re.fullmatch(rf"rayproject/ray:{re.escape(version)}(-py3\d+)?(-(gpu|cu\d+|cpu))?", image), (name, image)
+
+
+# --- the Service in front of the coordinator -------------------------------------------------
+
+
+def _head_pod_labels(cluster_name: str, template_labels: dict) -> dict[str, str]:
+    """What KubeRay (v1.x, common/pod.go labelPod and BuildPod) puts on a RayService's head pod
+    once the RayService controller has found its Serve proxy healthy."""
+    labels = {
+        "ray.io/is-ray-node": "yes",
+        "ray.io/cluster": cluster_name,
+        "ray.io/node-type": "head",
+        "ray.io/group": "headgroup",
+        "ray.io/identifier": f"{cluster_name}-head",
+        "app.kubernetes.io/name": "kuberay",
+        "app.kubernetes.io/created-by": "kuberay-operator",
+    }
+    protected = {"ray.io/node-type", "ray.io/group", "ray.io/cluster"}
+    labels.update({k: v for k, v in template_labels.items() if k not in protected})
+    labels["ray.io/serve"] = "true"
+    return labels
+
+
+def _service() -> dict:
+    services = _kind("Service")
+    assert len(services) == 1, f"expected one Service in {KUBERAY_DIR}, found {len(services)}"
+    return services[0]
+
+
+def test_service_exposes_the_coordinator_port_on_the_head_container():
+    service = _service()
+    assert service["apiVersion"] == "v1"
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", service["metadata"]["name"])
+    [port] = [p for p in service["spec"]["ports"] if p["port"] == CLIENT_PORT]
+    assert port.get("protocol", "TCP") == "TCP"
+
+    head = _rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    target = port.get("targetPort", port["port"])
+    by_name = {p.get("name"): p["containerPort"] for p in head.get("ports", [])}
+    container_port = by_name[target] if isinstance(target, str) else target
+    assert container_port == _kuberay_config().coordinator.port == CLIENT_PORT, (
+        f"the Service sends {port['port']} to head container port {container_port}"
+    )
+    assert container_port in by_name.values(), "declare the port on the head container"
+
+
+def test_service_selects_only_this_rayservice_head_pod():
+    selector = _service()["spec"]["selector"]
+    assert selector.get("ray.io/node-type") == "head"
+    template_labels = _rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"].get("metadata", {}).get("labels", {})
+    # RayService names its clusters "<name>-<random suffix>", new ones on every upgrade.
+    for cluster in ("specdec-x7k2p", "specdec-9qd4w"):
+        head = _head_pod_labels(cluster, template_labels)
+        assert selector.items() <= head.items(), f"selector {selector} misses head labels {head}"
+
+        worker = {**head, "ray.io/node-type": "worker", "ray.io/group": "verifier-gpu"}
+        assert not selector.items() <= worker.items(), "must not select worker pods"
+
+    unhealthy = {**_head_pod_labels("specdec-x7k2p", template_labels), "ray.io/serve": "false"}
+    other_cluster_head = _head_pod_labels("someone-else", {})
+    for labels in (unhealthy, other_cluster_head):
+        assert not selector.items() <= labels.items(), labels

@@ -1,0 +1,64 @@
+"""The real stack: Ray Serve deploys drafter, verifier and coordinator with the default
+SmolLM2 pair, and a plain gRPC client that knows only the protos gets the verifier's own
+greedy output."""
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.models import BUILTIN_SMOLLM2, ModelSpec, load_model, load_tokenizer
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+# Not from Spec-Bench, and not seen anywhere else in the project.
+UNSEEN_PROMPTS = [
+    "Describe how a lighthouse keeper might spend a stormy night.",
+    "List three ways to keep basil fresh after buying it.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_stack():
+    from specdec.launch import start_stack, stop_stack
+
+    port = _free_port()
+    address = start_stack({"coordinator": {"port": port}}, port)
+    yield address
+    stop_stack()
+
+
+@pytest.mark.e2e
+def test_health_service_reports_serving(ray_stack):
+    with grpc.insecure_channel(ray_stack) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specdec.v1.Coordinator"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.e2e
+def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
+    tokenizer = load_tokenizer(BUILTIN_SMOLLM2)
+    verifier = load_model(ModelSpec(BUILTIN_SMOLLM2))
+    with grpc.insecure_channel(ray_stack) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for prompt in UNSEEN_PROMPTS:
+            request = coordinator_pb2.GenerateRequest(prompt=prompt, use_chat_template=True, max_new_tokens=128)
+            parts = list(stub.GenerateStream(request, timeout=600))
+            tokens = [t for p in parts for t in p.token_ids]
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")["input_ids"]
+            with torch.inference_mode():
+                expected = verifier.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, do_sample=False)[0, ids.shape[1] :].tolist()
+            assert tokens == expected, prompt
+            stats = parts[-1].stats
+            assert stats.rounds > 0 and stats.speculation_budget > 0 and stats.bytes_sent > 0
+            assert parts[-1].finish_reason in ("stop", "length")

@@ -1,0 +1,43 @@
+"""Output bookkeeping: EOS, length, stop strings, and stream deltas that never split a
+character or leak the start of a stop string."""
+from __future__ import annotations
+
+from coordinator.output import OutputTracker
+from tests.tiny_models import build_tokenizer
+
+TOKENIZER = build_tokenizer()
+EOS = 2
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER(text)["input_ids"]
+
+
+def test_eos_ends_with_the_eos_token_kept_and_later_tokens_dropped():
+    out = OutputTracker(TOKENIZER, {EOS}, [], max_new_tokens=50)
+    out.add(ids("w1 w2") + [EOS] + ids("w3 w4"))
+    assert out.token_ids == ids("w1 w2") + [EOS]
+    assert out.finish_reason == "stop"
+    assert out.text == "w1 w2"
+
+
+def test_length_limit_cuts_a_round_short():
+    out = OutputTracker(TOKENIZER, {EOS}, [], max_new_tokens=3)
+    out.add(ids("w1 w2 w3 w4 w5"))
+    assert out.token_ids == ids("w1 w2 w3") and out.finish_reason == "length"
+
+
+def test_stop_string_is_held_back_then_cut():
+    out = OutputTracker(TOKENIZER, {EOS}, ["w5 w6"], max_new_tokens=50)
+    out.add(ids("w1 w2 w5"))
+    _, text = out.take_delta()
+    assert text == "w1 w2 "  # "w5" may begin the stop string: not sent yet
+    out.add(ids("w7"))
+    _, text = out.take_delta()
+    assert text == "w5 w7"  # it did not
+    out.add(ids("w5 w6 w8"))
+    assert out.finish_reason == "stop"
+    tokens, text = out.take_delta()
+    assert out.text == "w1 w2 w5 w7 "
+    assert text == " "
+    assert tokens == ids("w5 w6")  # tokens up to the one that completed the stop string
