@@ -78,6 +78,19 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_distill(args) -> int:
+    from specdec.config import ConfigError
+    from specdec.distill import config_from_args, run_distill
+
+    try:
+        config = config_from_args(args)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    run_distill(config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Distributed speculative decoding over gRPC and Ray Serve.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    distill = sub.add_parser("distill", help="distil a drafter toward the verifier (DistillSpec)")
+    from specdec.distill import add_distill_arguments
+
+    add_distill_arguments(distill)
+    distill.set_defaults(func=cmd_distill)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -86,7 +86,8 @@ class Config:
                 raise ConfigError(message)
 
 
-def _build(cls, data: Any, path: str):
+def build_dataclass(cls, data: Any, path: str):
+    """Builds dataclass `cls` from parsed YAML, refusing unknown keys and wrong types with the key's path."""
     if dataclasses.is_dataclass(cls):
         if isinstance(data, str) and cls is ModelSpec:
             data = {"source": data}
@@ -97,7 +98,7 @@ def _build(cls, data: Any, path: str):
         if unknown:
             raise ConfigError(f"unknown key {path + '.' if path else ''}{unknown[0]}; allowed: {', '.join(fields)}")
         hints = typing.get_type_hints(cls)
-        kwargs = {k: _build(hints[k], v, f"{path + '.' if path else ''}{k}") for k, v in data.items()}
+        kwargs = {k: build_dataclass(hints[k], v, f"{path + '.' if path else ''}{k}") for k, v in data.items()}
         missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
             raise ConfigError(f"missing key {path + '.' if path else ''}{missing[0]}")
@@ -110,7 +111,12 @@ def _build(cls, data: Any, path: str):
         options = typing.get_args(cls)
         if data is None and type(None) in options:
             return None
-        return _build(next(o for o in options if o is not type(None)), data, path)
+        return build_dataclass(next(o for o in options if o is not type(None)), data, path)
+    if origin is list:
+        if not isinstance(data, list):
+            raise ConfigError(f"{path} must be a list")
+        (item,) = typing.get_args(cls)
+        return [build_dataclass(item, v, f"{path}[{i}]") for i, v in enumerate(data)]
     if origin is dict:
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must be a mapping")
@@ -125,7 +131,7 @@ def _build(cls, data: Any, path: str):
 def config_from_dict(data: dict | None, base: Config | None = None) -> Config:
     """Builds a Config from a mapping; keys it does not set keep their defaults (or `base`)."""
     merged = _merge(dataclasses.asdict(base or Config()), data or {})
-    return _build(Config, merged, "")
+    return build_dataclass(Config, merged, "")
 
 
 def load_config(path: str | Path | None) -> Config:

@@ -81,11 +81,27 @@ def local_source(source: str) -> str:
 
 
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    from specdec.drafter_checkpoint import base_model_of, is_drafter_checkpoint
+
+    if is_drafter_checkpoint(source):
+        source = base_model_of(source)
     return AutoTokenizer.from_pretrained(local_source(source))
 
 
+def load_model_weights_only(source: str, dtype: torch.dtype) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(local_source(source), dtype=dtype)
+
+
 def load_model(spec: ModelSpec) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(local_source(spec.source), dtype=getattr(torch, spec.dtype))
+    """The model in eval mode. A distilled drafter directory may carry `draft_vocab_ids`: its
+    logits then cover only those token ids."""
+    from specdec.drafter_checkpoint import is_drafter_checkpoint, load_drafter
+
+    dtype = getattr(torch, spec.dtype)
+    if is_drafter_checkpoint(spec.source):
+        model, _ = load_drafter(spec.source, dtype)
+    else:
+        model = load_model_weights_only(spec.source, dtype)
     if spec.layers is not None:
         truncate_layers(model, spec.layers)
     return model.to(spec.device).eval()

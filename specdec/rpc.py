@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import signal
+import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -89,6 +91,17 @@ def start_server(
     if health_service:
         health_servicer.set(health_service, status)
     return server, bound, health_servicer
+
+
+def serve_until_terminated(server: grpc.Server) -> None:
+    """Blocks until SIGTERM or Ctrl-C, then stops the server gracefully."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    server.stop(grace=2).wait()
 
 
 def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:

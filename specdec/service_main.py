@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import signal
-import threading
 from typing import Callable
 
 from specdec.config import ConfigError, load_config
 from specdec.models import ModelSpec
+from specdec.rpc import serve_until_terminated
 
 
 def run_service(name: str, start: Callable) -> None:
@@ -34,10 +33,4 @@ def run_service(name: str, start: Callable) -> None:
     section.port = args.port if args.port is not None else section.port
     server, port = start(section)
     print(f"{name} serving {section.model.source} on {section.host}:{port}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
-    server.stop(grace=2).wait()
+    serve_until_terminated(server)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,12 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
         # A drafter that agrees with the verifier more often: the verifier's own first layer.
         "other_words": build_model_dir(root / "other_words", seed=3, words=[f"x{i}" for i in range(16)]),
     }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

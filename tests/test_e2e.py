@@ -3,7 +3,6 @@ SmolLM2 pair, and a plain gRPC client that knows only the protos gets the verifi
 greedy output."""
 from __future__ import annotations
 
-import socket
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.models import BUILTIN_SMOLLM2, ModelSpec, load_model, load_tokenizer
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.conftest import free_port
 
 # Not from Spec-Bench, and not seen anywhere else in the project.
 UNSEEN_PROMPTS = [
@@ -20,17 +20,11 @@ UNSEEN_PROMPTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_stack():
     from specdec.launch import start_stack, stop_stack
 
-    port = _free_port()
+    port = free_port()
     address = start_stack({"coordinator": {"port": port}}, port)
     yield address
     stop_stack()

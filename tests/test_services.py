@@ -102,33 +102,33 @@ def test_concurrent_requests_do_not_cross_talk(client, tiny_stack, verifier_mode
         assert list(answer.token_ids) == hf_greedy(verifier_model, ids, 30)
 
 
-def test_sampling_follows_the_verifier_distribution(tiny_dirs, verifier_model):
-    """Thousands of 2-token samples through the real services, against the verifier's exact
+def sampled_first_two_tokens(stack, verifier_model, draws: int, temperature: float = 0.9, prompt=(1, 5, 9)) -> None:
+    """Many 2-token samples through the real services, checked against the verifier's exact
     joint distribution of the first two tokens (chi-square)."""
-    temperature, prompt = 0.9, [1, 5, 9]
+    prompt = list(prompt)
     with torch.inference_mode():
         first = torch.softmax(verifier_model(torch.tensor([prompt])).logits[0, -1] / temperature, -1).double()
         vocab = first.shape[0]
         batch = torch.tensor([prompt + [t] for t in range(vocab)])
         second = torch.softmax(verifier_model(batch).logits[:, -1] / temperature, -1).double()
     exact = first[:, None] * second
-    draws = 2500
     counts = torch.zeros(vocab, vocab)
-    with local_stack(tiny_config(tiny_dirs, num_draft_tokens=2)) as stack:
-        client = CoordinatorClient(stack["coordinator"])
-        requests = [
-            generate_request(prompt_token_ids=prompt, max_new_tokens=2, temperature=temperature, seed=seed)
-            for seed in range(draws)
-        ]
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            for answer in pool.map(client.generate, requests):
-                tokens = list(answer.token_ids)
-                if tokens[0] == 2:  # EOS first: the second token is never generated
-                    continue
-                counts[tokens[0], tokens[1]] += 1
-        client.close()
+    client = CoordinatorClient(stack["coordinator"])
+    requests = [generate_request(prompt_token_ids=prompt, max_new_tokens=2, temperature=temperature, seed=seed) for seed in range(draws)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for answer in pool.map(client.generate, requests):
+            tokens = list(answer.token_ids)
+            if tokens[0] == 2:  # EOS first: the second token is never generated
+                continue
+            counts[tokens[0], tokens[1]] += 1
+    client.close()
     exact[2] = 0  # rows after EOS are not observed
     assert_matches_distribution(counts, exact)
+
+
+def test_sampling_follows_the_verifier_distribution(tiny_dirs, verifier_model):
+    with local_stack(tiny_config(tiny_dirs, num_draft_tokens=2)) as stack:
+        sampled_first_two_tokens(stack, verifier_model, draws=2500)
 
 
 def test_lost_session_is_reopened_with_full_context(tiny_dirs, verifier_model):

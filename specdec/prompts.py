@@ -1,0 +1,39 @@
+"""Benchmark and training prompts (Spec-Bench format) and the split that keeps them apart:
+questions whose id is a multiple of 4 are held out for evaluation and never trained on."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PACKAGED_PROMPTS = Path(__file__).parent / "data" / "spec_bench.jsonl"
+
+
+def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if categories:
+        unknown = set(categories) - {r["category"] for r in rows}
+        if unknown:
+            raise ValueError(f"unknown categories {sorted(unknown)} in {path}")
+        rows = [r for r in rows if r["category"] in categories]
+    return [{"question_id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in rows]
+
+
+def is_held_out(row: dict) -> bool:
+    return row["question_id"] % 4 == 0
+
+
+def training_split(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if not is_held_out(r)]
+
+
+def evaluation_split(rows: list[dict], num: int, skip: int = 0) -> list[dict]:
+    """`num` held-out prompts taken round-robin across categories, so a small set still
+    covers every kind of task."""
+    by_category: dict[str, list[dict]] = {}
+    for row in rows:
+        if is_held_out(row):
+            by_category.setdefault(row["category"], []).append(row)
+    ordered = []
+    for i in range(max((len(v) for v in by_category.values()), default=0)):
+        ordered += [v[i] for v in by_category.values() if i < len(v)]
+    return ordered[skip : skip + num]
