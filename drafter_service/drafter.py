@@ -43,7 +43,6 @@ class DrafterEngine:
         self.vocab_size = len(self.tokenizer)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.max_context = max_context(self.model)
-        self.draft_vocab_ids = getattr(self.model, "draft_vocab_ids", None)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.proposal_top_k = proposal_top_k
         self.max_draft_tokens = max_draft_tokens
@@ -93,13 +92,7 @@ class DrafterEngine:
             logits_to_keep=1,
         )
         session.cached_tokens.extend(input_ids)
-        logits = out.logits[0, -1].float()
-        if self.draft_vocab_ids is None:
-            return logits[: self.vocab_size]
-        # A reduced draft vocabulary: every other token gets probability zero.
-        full = torch.full((self.vocab_size,), float("-inf"))
-        full[self.draft_vocab_ids] = logits
-        return full
+        return out.logits[0, -1, : self.vocab_size].float()
 
     def _reuse_cache(self, session: DrafterSession) -> list[int]:
         """Keeps the cached prefix that still matches the context (accepted drafts included);

@@ -16,14 +16,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-PACKAGED_PROMPTS = Path(__file__).parent / "data" / "spec_bench.jsonl"
+from specdec.prompts import PACKAGED_PROMPTS, evaluation_split, load_prompts
+
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", default=str(PACKAGED_PROMPTS), help="Spec-Bench style JSONL (first turn is the prompt)")
+    parser.add_argument(
+        "--prompts",
+        default=str(PACKAGED_PROMPTS),
+        help="Spec-Bench style JSONL (first turn is the prompt); only held-out questions (id %% 4 == 0, never trained on) are used, round-robin across categories",
+    )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
-    parser.add_argument("--skip-prompts", type=int, default=0, help="skip this many matching prompts first")
+    parser.add_argument("--skip-prompts", type=int, default=0, help="skip this many held-out prompts first")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
     parser.add_argument("--budgets", default="2,4", help="comma-separated draft tokens per round for `speculative`")
@@ -57,16 +62,6 @@ class Tally:
         self.outputs.append(list(response.token_ids))
 
 
-def load_prompts(path: str, num: int, categories: str | None, skip: int) -> list[dict]:
-    wanted = set(categories.split(",")) if categories else None
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if wanted is None or r["category"] in wanted]
-    chosen = rows[skip : skip + num]
-    if not chosen:
-        raise SystemExit(f"no prompts left in {path} for categories={categories} skip={skip}")
-    return [{"question_id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in chosen]
-
-
 def run_bench(args) -> int:
     from specdec.app import build_config
     from specdec.client import CoordinatorClient, generate_request
@@ -75,7 +70,10 @@ def run_bench(args) -> int:
 
     temperatures = [float(t) for t in args.temperature.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
-    prompts = load_prompts(args.prompts, args.num_prompts, args.categories, args.skip_prompts)
+    categories = args.categories.split(",") if args.categories else None
+    prompts = evaluation_split(load_prompts(args.prompts, categories), args.num_prompts, args.skip_prompts)
+    if not prompts:
+        raise SystemExit(f"no held-out prompts in {args.prompts} for categories={args.categories}")
     app_args = {"coordinator": {"port": args.port}, **({"config_file": args.config} if args.config else {})}
     config = build_config(app_args)
     address = args.address or start_stack(app_args, args.port)

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from specdec.models import BUILTIN_SMOLLM2, ModelSpec
+from specdec.models import BUILTIN_DRAFTER, BUILTIN_SMOLLM2, ModelSpec
 
 
 class ConfigError(ValueError):
@@ -58,7 +58,7 @@ class CoordinatorConfig:
 @dataclass
 class Config:
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(ModelSpec(BUILTIN_SMOLLM2)))
-    drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(ModelSpec(BUILTIN_SMOLLM2, layers=4)))
+    drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(ModelSpec(BUILTIN_DRAFTER)))
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
 
     def __post_init__(self):

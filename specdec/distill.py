@@ -44,6 +44,7 @@ class DistillConfig:
     jsd_beta: float = 0.5
     prompts: str = str(PACKAGED_PROMPTS)
     sample_tokens: int = 96  # length of each teacher / student sample
+    max_prompt_tokens: int = 256  # longer prompts (long summarisation / RAG contexts) are left out
     teacher_samples_per_prompt: int = 2
     generation_batch: int = 16
     batch_size: int = 8
@@ -65,7 +66,7 @@ class DistillConfig:
             raise ConfigError("jsd_beta must be in (0, 1)")
         if not self.init_layers and not self.student_model:
             raise ConfigError("give init_layers or student_model")
-        for name in ("sample_tokens", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every", "generation_batch"):
+        for name in ("sample_tokens", "max_prompt_tokens", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every", "generation_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
 
@@ -192,6 +193,13 @@ def _atomic_save(obj, path: Path) -> None:
     tmp.rename(path)
 
 
+def sample_settings(cfg: DistillConfig) -> dict:
+    """What the cached teacher and evaluation samples depend on; another recipe with the same
+    settings reuses them (copy samples.pt into its --out)."""
+    keys = ("verifier", "prompts", "sample_tokens", "max_prompt_tokens", "teacher_samples_per_prompt", "eval_prompts", "eval_tokens", "seed")
+    return {k: getattr(cfg, k) for k in keys}
+
+
 def run_distill(cfg: DistillConfig) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,15 +215,18 @@ def run_distill(cfg: DistillConfig) -> dict:
     eos = set(eos_token_ids(teacher, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     rows = load_prompts(cfg.prompts)
-    train_rows, eval_rows = training_split(rows), evaluation_split(rows, cfg.eval_prompts)
-    train_prompts = [chat_ids(tokenizer, r["prompt"]) for r in train_rows]
+    short = [r for r in rows if len(chat_ids(tokenizer, r["prompt"])) <= cfg.max_prompt_tokens]
+    train_rows, eval_rows = training_split(short), evaluation_split(short, cfg.eval_prompts)
+    # Similar lengths batch together, so left padding wastes little.
+    train_prompts = sorted((chat_ids(tokenizer, r["prompt"]) for r in train_rows), key=len)
     eval_prompts = [chat_ids(tokenizer, r["prompt"]) for r in eval_rows]
 
     cached = out / "samples.pt"
-    if cached.is_file():
-        data = torch.load(cached)
-    else:
+    sample_key = sample_settings(cfg)
+    data = torch.load(cached) if cached.is_file() else None
+    if data is None or data.get("settings") != sample_key:
         data = {
+            "settings": sample_key,
             "teacher": _generate_samples(teacher, tokenizer, train_prompts, cfg.teacher_samples_per_prompt, cfg, eos, generator, "teacher samples"),
             "eval": _generate_samples(teacher, tokenizer, eval_prompts, 1, cfg, eos, generator, "eval (teacher greedy)", greedy=True),
         }

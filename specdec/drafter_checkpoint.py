@@ -78,6 +78,24 @@ def save_drafter(
     (out_dir / MARKER).write_text(json.dumps(meta, indent=2))
 
 
+class ScatteredHead(torch.nn.Module):
+    """A head over a reduced draft vocabulary that still answers in full-vocabulary logits
+    (-inf outside it), so the drafter looks like any causal LM to its callers (drafter_service,
+    Hugging Face assisted generation) while paying only for the reduced matrix product."""
+
+    def __init__(self, head: torch.nn.Linear, vocab_ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.head = head
+        self.register_buffer("vocab_ids", vocab_ids, persistent=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = self.head(hidden)
+        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.vocab_ids] = small
+        return full
+
+
 def load_drafter(directory: str, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """Returns the student and the base model source (its tokenizer and shared weights)."""
     from specdec.models import load_model_weights_only
@@ -100,4 +118,6 @@ def load_drafter(directory: str, dtype: torch.dtype) -> tuple[torch.nn.Module, s
     missing, unexpected = student.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("lm_head.")]:
         raise ValueError(f"{directory}: checkpoint does not fit its config (missing {missing}, unexpected {unexpected})")
+    if vocab_ids is not None:
+        student.lm_head = ScatteredHead(student.lm_head, student.draft_vocab_ids, config.vocab_size)
     return student, meta["base_model"]

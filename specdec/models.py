@@ -17,6 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 log = logging.getLogger(__name__)
 
 BUILTIN_SMOLLM2 = "smollm2-135m-instruct"
+# The default drafter: distilled toward SmolLM2-135M-Instruct by `specdec distill` with
+# specdec/data/recipes/default_drafter.yaml, shipped inside the package.
+BUILTIN_DRAFTER = "smollm2-135m-drafter"
+_PACKAGED_DRAFTER = Path(__file__).parent / "data" / "drafters" / BUILTIN_DRAFTER
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -80,9 +84,14 @@ def local_source(source: str) -> str:
     return str(_converted_gguf_dir(directory, gguf_file)) if gguf_file else directory
 
 
+def resolve_alias(source: str) -> str:
+    return str(_PACKAGED_DRAFTER) if source == BUILTIN_DRAFTER else source
+
+
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     from specdec.drafter_checkpoint import base_model_of, is_drafter_checkpoint
 
+    source = resolve_alias(source)
     if is_drafter_checkpoint(source):
         source = base_model_of(source)
     return AutoTokenizer.from_pretrained(local_source(source))
@@ -93,13 +102,14 @@ def load_model_weights_only(source: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def load_model(spec: ModelSpec) -> torch.nn.Module:
-    """The model in eval mode. A distilled drafter directory may carry `draft_vocab_ids`: its
-    logits then cover only those token ids."""
+    """The model in eval mode, with logits over the whole vocabulary (a distilled drafter with a
+    reduced draft vocabulary gives -inf outside it)."""
     from specdec.drafter_checkpoint import is_drafter_checkpoint, load_drafter
 
     dtype = getattr(torch, spec.dtype)
-    if is_drafter_checkpoint(spec.source):
-        model, _ = load_drafter(spec.source, dtype)
+    source = resolve_alias(spec.source)
+    if is_drafter_checkpoint(source):
+        model, _ = load_drafter(source, dtype)
     else:
         model = load_model_weights_only(spec.source, dtype)
     if spec.layers is not None:

@@ -129,6 +129,19 @@ def test_reduced_vocabulary_drafter_is_exact_in_the_services(distilled, tiny_dir
         sampled_first_two_tokens(stack, verifier, draws=2000)
 
 
+def test_distilled_drafter_works_as_a_hugging_face_assistant(distilled, tiny_dirs):
+    """The reduced-vocabulary head answers in full-vocabulary logits, so transformers'
+    assisted generation (the benchmark's baseline) takes the same checkpoint."""
+    verifier = load_model(ModelSpec(str(tiny_dirs["verifier"])))
+    drafter = load_model(ModelSpec(distilled["drafter_dir"]))
+    prompt = torch.tensor([[1, 4, 5]])
+    logits = drafter(prompt).logits[0, -1]
+    assert logits.shape[-1] == 16 and torch.isinf(logits).sum() == 16 - 10
+    with torch.inference_mode():
+        assisted = verifier.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False)
+    assert assisted[0, 3:].tolist() == hf_greedy(verifier, [1, 4, 5], 20)
+
+
 def test_distillation_resumes_after_a_kill(tiny_dirs, tiny_prompts, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     out = tmp_path / "run"
