@@ -56,7 +56,6 @@ class SessionStore(Generic[State]):
             del self._items[key]
 
 
-
 def check_context(context: list[int], vocab_size: int, max_len: int, field_name: str) -> None:
     if not context:
         raise invalid(f"{field_name} is empty")

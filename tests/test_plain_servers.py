@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 
 from specdec.client import CoordinatorClient, generate_request
 from specdec.rpc import wait_until_serving
