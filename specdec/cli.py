@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 
@@ -29,8 +30,10 @@ def cmd_serve(args) -> int:
     if args.demo:
         _stream_to_terminal(address, args.demo, max_new_tokens=128, temperature=0.0, use_chat_template=True)
     print("Ctrl-C to stop.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # e.g. a container stop: shut Ray down too
     try:
-        threading.Event().wait()
+        stop.wait()
     except KeyboardInterrupt:
         pass
     finally:
