@@ -10,13 +10,6 @@ from specdec.v1 import coordinator_pb2
 
 
 @dataclass
-class Round:
-    token_ids: list[int]  # newly committed: accepted drafts, then the verifier's own token
-    num_accepted: int
-    speculative: bool
-
-
-@dataclass
 class Meter:
     """Per-request totals of what the rounds cost."""
 
@@ -64,8 +57,9 @@ class Meter:
 
 def decode_rounds(
     session: PairSession, budget: int, fused_block: int, max_new_tokens: int, meter: Meter
-) -> Iterator[Round]:
-    """Yields each round's committed tokens until max_new_tokens are out; the caller stops
+) -> Iterator[list[int]]:
+    """Yields each round's newly committed tokens (accepted drafts, then the verifier's own
+    token) until max_new_tokens are out; the caller stops
     early on EOS or a stop string. budget = draft tokens per round; 0 = verifier alone."""
     generated = 0
     while generated < max_new_tokens:
@@ -83,4 +77,4 @@ def decode_rounds(
         meter.add_call(verify_call, is_draft=False)
         meter.rounds += 1
         generated += len(verdict.token_ids)
-        yield Round(list(verdict.token_ids), verdict.num_accepted_draft_tokens, num_draft > 0)
+        yield list(verdict.token_ids)

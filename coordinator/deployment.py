@@ -4,28 +4,21 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from coordinator.server import start
 from specdec.config import config_from_dict
+from specdec.replica import GrpcReplica
 
 
 @serve.deployment(name="Coordinator", num_replicas=1)
-class CoordinatorDeployment:
+class CoordinatorDeployment(GrpcReplica):
     def __init__(self, config: dict, drafter: DeploymentHandle, verifier: DeploymentHandle):
         parsed = config_from_dict(config)
         # The constructor runs on the replica's event loop, where blocking handle calls are
         # refused; ask from a worker thread instead.
         with ThreadPoolExecutor(max_workers=2) as pool:
             drafter_address, verifier_address = pool.map(lambda h: h.address.remote().result(), (drafter, verifier))
-        self.server, self.port, self.coordinator = start(parsed, drafter_address, verifier_address)
-        self.host = ray.util.get_node_ip_address()
-
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def __del__(self):
-        if hasattr(self, "server"):
-            self.server.stop(grace=1)
+        server, port, self.coordinator = start(parsed, drafter_address, verifier_address)
+        self._serving(server, port)

@@ -89,8 +89,8 @@ class Coordinator:
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
         meter = Meter()
         try:
-            for round_ in decode_rounds(session, budget, self.config.fused_block_tokens, max_new, meter):
-                output.add(round_.token_ids)
+            for committed in decode_rounds(session, budget, self.config.fused_block_tokens, max_new, meter):
+                output.add(committed)
                 if output.finish_reason:
                     break
                 tokens, text = output.take_delta()

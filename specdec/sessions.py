@@ -47,9 +47,6 @@ class SessionStore(Generic[State]):
         with self._lock:
             return self._items.pop(session_id, None) is not None
 
-    def __len__(self) -> int:
-        return len(self._items)
-
     def _expire(self) -> None:
         now = time.monotonic()
         for key in [k for k, (_, seen) in self._items.items() if now - seen > self._ttl]:

@@ -32,12 +32,6 @@ def tree_from_proto(message: common_pb2.DraftTree) -> DraftTree:
     return DraftTree(list(message.token_ids), list(message.parent), proposals)
 
 
-def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed
-    )
-
-
 def sampling_from_proto(message: common_pb2.SamplingParams, field_prefix: str = "") -> Sampling:
     top_p = message.top_p if message.top_p != 0 else 1.0
     try:

@@ -46,21 +46,14 @@ def test_greedy_accepts_longest_matching_path():
     assert accept_greedy(DraftTree(), [4]) == ([], 4)
 
 
-def _first_two_tokens(tree: DraftTree, target: torch.Tensor, draws: int, seed: int) -> torch.Tensor:
-    """Empirical distribution of the first two output tokens over many verifications.
-    target[n] is the verifier distribution after tree position n; after a rejection or a
-    leaf, the second token comes from the verifier's distribution after the first token,
-    which these tests define as target_next[first token]."""
-    generator = torch.Generator().manual_seed(seed)
-    vocab = target.shape[-1]
-    counts = torch.zeros(vocab, vocab)
-    for _ in range(draws):
-        path, nxt = accept_sampled(tree, target, generator)
-        tokens = [tree.token_ids[n] for n in path] + [nxt]
-        if len(tokens) < 2:
-            tokens.append(int(torch.multinomial(_NEXT[tokens[0]], 1, generator=generator)))
-        counts[tokens[0], tokens[1]] += 1
-    return counts / draws
+def _first_two_tokens(tree: DraftTree, generator: torch.Generator) -> tuple[int, int]:
+    """The first two output tokens of one verification. After a rejection or a leaf, the
+    second token comes from the verifier's distribution after the first, _NEXT[first]."""
+    path, nxt = accept_sampled(tree, _targets(tree), generator)
+    tokens = [tree.token_ids[n] for n in path] + [nxt]
+    if len(tokens) < 2:
+        tokens.append(int(torch.multinomial(_NEXT[tokens[0]], 1, generator=generator)))
+    return tokens[0], tokens[1]
 
 
 VOCAB = 6
@@ -90,11 +83,7 @@ def test_chain_sampling_is_exact(seed):
         x1 = int(torch.multinomial(_Q0, 1, generator=generator))
         x2 = int(torch.multinomial(_QNEXT[x1], 1, generator=generator))
         tree = DraftTree([x1, x2], [ROOT, 0], {ROOT: _proposal(_Q0), 0: _proposal(_QNEXT[x1])})
-        path, nxt = accept_sampled(tree, _targets(tree), generator)
-        tokens = [tree.token_ids[n] for n in path] + [nxt]
-        if len(tokens) < 2:
-            tokens.append(int(torch.multinomial(_NEXT[tokens[0]], 1, generator=generator)))
-        counts[tokens[0], tokens[1]] += 1
+        counts[_first_two_tokens(tree, generator)] += 1
     assert_matches_distribution(counts.flatten(), EXACT.flatten())
 
 
@@ -113,11 +102,7 @@ def test_tree_without_replacement_is_exact():
             [ROOT, ROOT, ROOT, 0, 1, 2],
             {ROOT: _proposal(_Q0), **{i: _proposal(_QNEXT[x]) for i, x in enumerate(firsts)}},
         )
-        path, nxt = accept_sampled(tree, _targets(tree), generator)
-        tokens = [tree.token_ids[n] for n in path] + [nxt]
-        if len(tokens) < 2:
-            tokens.append(int(torch.multinomial(_NEXT[tokens[0]], 1, generator=generator)))
-        counts[tokens[0], tokens[1]] += 1
+        counts[_first_two_tokens(tree, generator)] += 1
     assert_matches_distribution(counts.flatten(), EXACT.flatten())
 
 
@@ -125,8 +110,11 @@ def test_point_mass_children_are_exact():
     """Deterministic top-3 children (EAGLE-style): accept with p(x), else remove x from p."""
     firsts = torch.topk(_Q0, 3).indices.tolist()
     tree = DraftTree(firsts, [ROOT] * 3)
-    empirical = _first_two_tokens(tree, _targets(tree), 6000, seed=3)
-    assert_matches_distribution(empirical.flatten() * 6000, EXACT.flatten())
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.zeros(VOCAB, VOCAB)
+    for _ in range(6000):
+        counts[_first_two_tokens(tree, generator)] += 1
+    assert_matches_distribution(counts.flatten(), EXACT.flatten())
 
 
 def test_acceptance_rate_equals_one_minus_tvd():
