@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.rpc import CallCost, MeasuredClient
+from specdec.tree import TreeShape
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specdec.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
+from specdec.wire import DRAFTER_SERVICE, VERIFIER_SERVICE, shape_to_proto
 
 # Codes after which a service has lost (or never had) the session: re-open with the context.
 _REOPEN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
@@ -62,12 +63,13 @@ class PairSession:
         self._verifier_round = 0
         self._verifier_open = False
 
-    def draft(self, num_tokens: int) -> tuple[drafter_pb2.DraftResponse, ServiceCall]:
+    def draft(self, num_tokens: int, shape: TreeShape) -> tuple[drafter_pb2.DraftResponse, ServiceCall]:
         def request(reopen: bool) -> drafter_pb2.DraftRequest:
             message = drafter_pb2.DraftRequest(
                 session_id=self.session_id,
                 committed_length=len(self.context),
                 num_draft_tokens=num_tokens,
+                tree_shape=shape_to_proto(shape),
             )
             if reopen:
                 message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=self.context, sampling=self.sampling))

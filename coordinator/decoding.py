@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from coordinator.clients import PairSession
+from specdec.tree import TreeShape
 from specdec.v1 import coordinator_pb2
 
 
@@ -35,7 +36,7 @@ class Meter:
         self.bytes_sent += call.cost.bytes_sent
         self.bytes_received += call.cost.bytes_received
 
-    def stats(self, budget: int, generated: int) -> coordinator_pb2.RoundStats:
+    def stats(self, budget: int, tree_method: str, generated: int) -> coordinator_pb2.RoundStats:
         total_ms = (time.perf_counter() - self.started) * 1e3
         return coordinator_pb2.RoundStats(
             rounds=self.rounds,
@@ -52,26 +53,28 @@ class Meter:
             tokens_per_second=generated / (total_ms / 1e3) if total_ms > 0 else 0.0,
             accepted_draft_tokens=self.accepted,
             drafted_tokens=self.drafted,
+            tree_method=tree_method if budget else "",
+            bytes_per_round=(self.bytes_sent + self.bytes_received) / self.rounds if self.rounds else 0.0,
         )
 
 
 def decode_rounds(
-    session: PairSession, budget: int, fused_block: int, max_new_tokens: int, meter: Meter
+    session: PairSession, budget: int, shape: TreeShape, fused_block: int, max_new_tokens: int, meter: Meter
 ) -> Iterator[list[int]]:
     """Yields each round's newly committed tokens (accepted drafts, then the verifier's own
-    token) until max_new_tokens are out; the caller stops
-    early on EOS or a stop string. budget = draft tokens per round; 0 = verifier alone."""
+    token) until max_new_tokens are out; the caller stops early on EOS or a stop string.
+    budget = draft tree nodes per round, spent as `shape` says; 0 = verifier alone."""
     generated = 0
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
-        num_draft = min(budget, remaining - 1)  # the verifier always adds one token itself
-        if num_draft > 0:
-            draft, draft_call = session.draft(num_draft)
+        depth = min(shape.max_depth or budget, remaining - 1)  # the verifier always adds one token
+        if budget > 0 and depth > 0:
+            draft, draft_call = session.draft(budget, replace(shape, max_depth=depth))
             meter.add_call(draft_call, is_draft=True)
             verdict, verify_call = session.verify(draft.tree)
             meter.speculative_rounds += 1
             meter.accepted += verdict.num_accepted_draft_tokens
-            meter.drafted += num_draft
+            meter.drafted += len(draft.tree.token_ids)
         else:
             verdict, verify_call = session.verify(None, fused_tokens=min(fused_block, remaining))
         meter.add_call(verify_call, is_draft=False)

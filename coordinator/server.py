@@ -13,8 +13,9 @@ from specdec.config import CoordinatorConfig
 from specdec.models import load_tokenizer
 from specdec.rpc import invalid, reports_errors, start_server
 from specdec.sampling import validate_sampling
+from specdec.tree import TreeShape
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from specdec.wire import COORDINATOR_SERVICE
+from specdec.wire import COORDINATOR_SERVICE, shape_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ class Coordinator:
             raise invalid(f"the prompt has {len(ids)} tokens; the verifier's context is {self.max_context}")
         return list(ids)
 
-    def check_request(self, request: coordinator_pb2.GenerateRequest) -> tuple[int, int]:
-        """Validates the generation parameters; returns (max_new_tokens, budget)."""
+    def check_request(self, request: coordinator_pb2.GenerateRequest) -> tuple[int, int, TreeShape]:
+        """Validates the generation parameters; returns (max_new_tokens, budget, tree shape)."""
         cap = self.config.max_new_tokens_cap
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else self.config.default_max_new_tokens
         if not 1 <= max_new <= cap:
@@ -72,11 +73,16 @@ class Coordinator:
         budget = request.num_draft_tokens if request.HasField("num_draft_tokens") else self.config.num_draft_tokens
         if not 0 <= budget <= 64:
             raise invalid(f"num_draft_tokens must be in [0, 64] (0 = verifier only), got {budget}")
-        return max_new, budget
+        shape = shape_from_proto(request.tree) if request.HasField("tree") else self.config.tree
+        try:
+            shape.validate()
+        except ValueError as err:
+            raise invalid(str(err)) from None
+        return max_new, budget, shape
 
     def generate(self, request: coordinator_pb2.GenerateRequest) -> Iterator[coordinator_pb2.GenerateResponse]:
         """One response per round with the new tokens and text; the last has finish_reason and stats."""
-        max_new, budget = self.check_request(request)
+        max_new, budget, shape = self.check_request(request)
         prompt = self.prompt_ids(request)
         max_new = min(max_new, self.max_context - len(prompt) - budget - 1)
         sampling = common_pb2.SamplingParams(
@@ -89,7 +95,7 @@ class Coordinator:
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
         meter = Meter()
         try:
-            for committed in decode_rounds(session, budget, self.config.fused_block_tokens, max_new, meter):
+            for committed in decode_rounds(session, budget, shape, self.config.fused_block_tokens, max_new, meter):
                 output.add(committed)
                 if output.finish_reason:
                     break
@@ -100,7 +106,7 @@ class Coordinator:
             session.close()
         tokens, text = output.take_delta()
         yield coordinator_pb2.GenerateResponse(
-            text=text, token_ids=tokens, finish_reason=output.finish_reason, stats=meter.stats(budget, len(output.token_ids))
+            text=text, token_ids=tokens, finish_reason=output.finish_reason, stats=meter.stats(budget, shape.method, len(output.token_ids))
         )
 
 

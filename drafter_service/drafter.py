@@ -10,12 +10,13 @@ import grpc
 import torch
 from transformers import DynamicCache
 
-from specdec.kv_cache import truncate
-from specdec.models import ModelSpec, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
+from drafter_service.tree_builders import NextToken, builder_for
+from specdec.kv_cache import keep_positions
+from specdec.models import ModelSpec, check_tree_attention, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.rpc import ServiceError, invalid
-from specdec.sampling import Sampling, sample, warp_probs
+from specdec.sampling import Sampling, warp_probs
 from specdec.sessions import SessionStore, check_context
-from specdec.tree import ROOT, DraftTree, Proposal
+from specdec.tree import ROOT, DraftTree, Proposal, TreeShape, node_inputs
 
 
 @dataclass
@@ -24,7 +25,10 @@ class DrafterSession:
     sampling: Sampling
     generator: torch.Generator
     cache: DynamicCache
-    cached_tokens: list[int] = field(default_factory=list)  # what the cache holds, drafts included
+    # The cache holds cached_tokens (committed) and then the last draft's fed nodes, in order.
+    cached_tokens: list[int] = field(default_factory=list)
+    last_draft: DraftTree = field(default_factory=DraftTree)
+    fed_nodes: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -39,6 +43,7 @@ class DrafterEngine:
     ):
         self.spec = spec
         self.model = load_model(spec)
+        check_tree_attention(self.model)
         self.tokenizer = load_tokenizer(spec.source)
         self.vocab_size = len(self.tokenizer)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
@@ -62,9 +67,15 @@ class DrafterEngine:
         self.sessions.put(session_id, session)
         return session
 
-    def draft(self, session_id: str, session: DrafterSession, new_tokens: list[int], committed_length: int, num_tokens: int) -> tuple[DraftTree, float]:
+    def draft(
+        self, session_id: str, session: DrafterSession, new_tokens: list[int], committed_length: int, num_tokens: int, shape: TreeShape
+    ) -> tuple[DraftTree, float]:
         if not 1 <= num_tokens <= self.max_draft_tokens:
             raise invalid(f"num_draft_tokens must be in [1, {self.max_draft_tokens}], got {num_tokens}")
+        try:
+            shape.validate()
+        except ValueError as err:
+            raise invalid(f"tree_shape: {err}") from None
         bad = [t for t in new_tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise invalid(f"new_token_ids has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
@@ -81,46 +92,71 @@ class DrafterEngine:
             session.tokens.extend(new_tokens)
             start = time.perf_counter()
             with self._model_lock, torch.inference_mode():
-                tree = self._draft_chain(session, num_tokens)
+                tree = self._draft_tree(session, shape, num_tokens)
             return tree, (time.perf_counter() - start) * 1e3
 
-    def _forward(self, session: DrafterSession, input_ids: list[int]) -> torch.Tensor:
+    def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **kwargs) -> torch.Tensor:
         out = self.model(
             input_ids=torch.tensor([input_ids], device=self.model.device),
             past_key_values=session.cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=num_logits,
+            **kwargs,
         )
-        session.cached_tokens.extend(input_ids)
-        return out.logits[0, -1, : self.vocab_size].float()
+        return out.logits[0, :, : self.vocab_size].float()
 
     def _reuse_cache(self, session: DrafterSession) -> list[int]:
-        """Keeps the cached prefix that still matches the context (accepted drafts included);
-        returns the context tokens still to feed, at least the last one."""
-        keep = 0
-        limit = min(len(session.cached_tokens), len(session.tokens) - 1)
-        while keep < limit and session.cached_tokens[keep] == session.tokens[keep]:
-            keep += 1
-        truncate(session.cache, keep)
-        del session.cached_tokens[keep:]
-        return session.tokens[keep:]
+        """Keeps the committed prefix and the last draft's cached nodes along the path the
+        verifier accepted; returns the context tokens still to feed (at least the last)."""
+        if len(session.cached_tokens) == len(session.tokens):  # drafting again without a commit
+            session.cached_tokens.pop()
+            session.fed_nodes = []
+        prefix = len(session.cached_tokens)
+        new = session.tokens[prefix:]
+        tree, positions = session.last_draft, {n: i for i, n in enumerate(session.fed_nodes)}
+        kept, node = [], ROOT
+        for token in new[:-1]:
+            node = next((c for c in tree.children(node) if tree.token_ids[c] == token and c in positions), None)
+            if node is None:
+                break
+            kept.append(prefix + positions[node])
+        keep_positions(session.cache, prefix, kept)
+        session.cached_tokens.extend(new[: len(kept)])
+        return new[len(kept) :]
 
-    def _draft_chain(self, session: DrafterSession, num_tokens: int) -> DraftTree:
-        tree = DraftTree()
-        logits = self._forward(session, self._reuse_cache(session))
-        for i in range(num_tokens):
-            parent = ROOT if i == 0 else i - 1
-            if session.sampling.greedy:
-                token = int(logits.argmax())
-            else:
-                proposal, probs = self._proposal(logits, session.sampling)
-                token = sample(probs, session.generator)
-                tree.proposals[parent] = proposal
-            tree.token_ids.append(token)
-            tree.parent.append(parent)
-            if i + 1 < num_tokens:
-                logits = self._forward(session, [token])
-        return tree
+    def _draft_tree(self, session: DrafterSession, shape: TreeShape, budget: int) -> DraftTree:
+        pending = self._reuse_cache(session)
+        root_logits = self._forward(session, pending)[-1]
+        session.cached_tokens.extend(pending)
+        session.last_draft, session.fed_nodes = DraftTree(), []
+        num_context = len(session.cached_tokens)
+
+        def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
+            new = [n for n in nodes if n != ROOT]
+            if new:
+                positions, mask = node_inputs(tree, session.fed_nodes, new, num_context)
+                logits = self._forward(
+                    session,
+                    [tree.token_ids[n] for n in new],
+                    len(new),
+                    position_ids=positions.to(self.model.device),
+                    attention_mask=mask.to(self.model.device),
+                )
+                session.fed_nodes += new
+            # The tree being built, whose numbering fed_nodes uses (a pruning builder
+            # returns a renumbered subtree of it).
+            session.last_draft = tree
+            rows = {n: i for i, n in enumerate(new)}
+            return [self._next_token(root_logits if n == ROOT else logits[rows[n]], session.sampling) for n in nodes]
+
+        generator = None if session.sampling.greedy else session.generator
+        return builder_for(shape).build(expand, budget, generator)
+
+    def _next_token(self, logits: torch.Tensor, sampling: Sampling) -> NextToken:
+        if sampling.greedy:
+            return NextToken(torch.softmax(logits.double(), dim=-1))
+        proposal, probs = self._proposal(logits, sampling)
+        return NextToken(probs, proposal)
 
     def _proposal(self, logits: torch.Tensor, sampling: Sampling) -> tuple[Proposal, torch.Tensor]:
         """The sparse distribution the next token is drawn from, and that same distribution

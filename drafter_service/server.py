@@ -9,7 +9,7 @@ from drafter_service.drafter import DrafterEngine
 from specdec.models import set_torch_threads
 from specdec.rpc import invalid, reports_errors, start_server
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specdec.wire import DRAFTER_SERVICE, model_info, sampling_from_proto, tree_to_proto
+from specdec.wire import DRAFTER_SERVICE, model_info, sampling_from_proto, shape_from_proto, tree_to_proto
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -35,8 +35,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             )
         else:
             session = self.engine.sessions.get(request.session_id)
+        shape = shape_from_proto(request.tree_shape)
         tree, compute_ms = self.engine.draft(
-            request.session_id, session, list(request.new_token_ids), request.committed_length, request.num_draft_tokens
+            request.session_id, session, list(request.new_token_ids), request.committed_length, request.num_draft_tokens, shape
         )
         return drafter_pb2.DraftResponse(
             tree=tree_to_proto(tree), compute_ms=compute_ms, handler_ms=(time.perf_counter() - start) * 1e3

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from specdec.models import BUILTIN_DRAFTER, BUILTIN_SMOLLM2, ModelSpec
+from specdec.tree import TreeShape
 
 
 class ConfigError(ValueError):
@@ -43,7 +44,8 @@ class VerifierConfig(ServiceConfig):
 class CoordinatorConfig:
     host: str = "0.0.0.0"
     port: int = 50051
-    num_draft_tokens: int = 4  # the speculation budget per round
+    num_draft_tokens: int = 4  # the speculation budget per round: draft tree nodes
+    tree: TreeShape = field(default_factory=TreeShape)  # how the drafter spends the budget
     fused_block_tokens: int = 8  # tokens per call when the verifier generates alone
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 2048
@@ -84,6 +86,10 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        try:
+            self.coordinator.tree.validate()
+        except ValueError as err:
+            raise ConfigError(f"coordinator.{err}") from None
 
 
 def build_dataclass(cls, data: Any, path: str):

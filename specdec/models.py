@@ -153,3 +153,55 @@ def max_context(model: torch.nn.Module) -> int:
 def set_torch_threads(threads: int) -> None:
     """0 = one thread per core (Ray sets OMP_NUM_THREADS low for zero-CPU actors)."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def check_tree_attention(model: torch.nn.Module) -> None:
+    """Verifies a tiny draft tree in one pass and compares every node's logits with a plain
+    forward over its path. Architectures that ignore a custom 4-D mask or position ids
+    (e.g. some with ALiBi or sliding windows) are refused here, before they could verify
+    trees wrongly."""
+    from specdec.tree import DraftTree
+
+    vocab = model.config.vocab_size
+    context = [t % vocab for t in (1, 5, 7, 3, 9)]
+    tree = DraftTree([t % vocab for t in (4, 6, 8, 10, 11)], [-1, -1, 0, 0, 1])
+    refusal = (
+        f"model type '{model.config.model_type}' does not honour a custom 4-D attention mask with position ids, "
+        "so it cannot verify or draft a tree in one pass; use a Llama, Qwen2, Mistral, GPT-2 or another family that does"
+    )
+    try:
+        logits, reference = _tree_and_path_logits(model, context, tree)
+    except Exception as err:  # an architecture that rejects the mask outright
+        raise UnsupportedModel(f"{refusal} ({type(err).__name__}: {err})") from None
+    finite = torch.isfinite(reference)
+    scale = reference[finite].abs().max().clamp_min(1.0)
+    tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
+    if not torch.equal(finite, torch.isfinite(logits)) or ((logits - reference)[finite].abs().max() / scale) > tolerance:
+        raise UnsupportedModel(refusal)
+
+
+def _tree_and_path_logits(model: torch.nn.Module, context: list[int], tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tree node's logits from one masked pass over a cache, and from a plain forward over its path."""
+    from transformers import DynamicCache
+
+    from specdec.tree import verification_inputs
+
+    device = model.device
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([context[:3]], device=device), past_key_values=cache, use_cache=True)
+        positions, mask = verification_inputs(tree, 3, 2)
+        logits = model(
+            input_ids=torch.tensor([context[3:] + tree.token_ids], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=positions.to(device),
+            attention_mask=mask.to(device),
+        ).logits[0, 2:].float()
+        paths = [context + [tree.token_ids[n] for n in tree.path_to(node)] for node in range(len(tree))]
+        reference = torch.stack([model(input_ids=torch.tensor([p], device=device)).logits[0, -1].float() for p in paths])
+    return logits, reference

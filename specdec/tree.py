@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 ROOT = -1
+TREE_METHODS = ("chain", "static", "dynamic", "rsd-c", "rsd-s")
 
 
 class MalformedTree(ValueError):
@@ -35,6 +36,28 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def add(self, token: int, parent: int) -> int:
+        self.token_ids.append(token)
+        self.parent.append(parent)
+        return len(self.token_ids) - 1
+
+    def subtree(self, nodes: list[int]) -> "DraftTree":
+        """The tree of `nodes` (ascending, closed under taking parents), renumbered."""
+        index = {ROOT: ROOT} | {old: new for new, old in enumerate(nodes)}
+        return DraftTree(
+            [self.token_ids[n] for n in nodes],
+            [index[self.parent[n]] for n in nodes],
+            {index[n]: q for n, q in self.proposals.items() if n in index},
+        )
+
+    def path_to(self, node: int) -> list[int]:
+        """The nodes from a child of the root down to `node`."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parent[node]
+        return path[::-1]
 
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parent) if p == node]
@@ -79,6 +102,27 @@ class DraftTree:
                 raise MalformedTree(f"tokens {missing} under node {node} have no probability in its proposal")
 
 
+@dataclass
+class TreeShape:
+    """How a drafter spends its node budget (see common.proto TreeShape)."""
+
+    method: str = "chain"
+    branching: list[int] = field(default_factory=lambda: [4, 2, 2])  # static, rsd-c
+    width: int = 4  # dynamic: expanded per depth and children each; rsd-s: beam width
+    max_depth: int = 0  # the deepest level drafted; 0 = as deep as the budget allows
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field that is out of range."""
+        if self.method not in TREE_METHODS:
+            raise ValueError(f"tree method must be one of {', '.join(TREE_METHODS)}, got '{self.method}'")
+        if not self.branching or any(b < 1 for b in self.branching):
+            raise ValueError(f"tree branching must be a non-empty list of integers >= 1, got {self.branching}")
+        if self.width < 1:
+            raise ValueError(f"tree width must be >= 1, got {self.width}")
+        if self.max_depth < 0:
+            raise ValueError(f"tree max_depth must be >= 0 (0 = up to the budget), got {self.max_depth}")
+
+
 def _validate_proposal(node: int, proposal: Proposal, vocab_size: int) -> None:
     where = f"tree.proposal for node {node}"
     if len(proposal.token_ids) != len(proposal.probs):
@@ -118,3 +162,18 @@ def verification_inputs(
     mask[num_pending:, num_cached : num_cached + num_pending] = True
     mask[num_pending:, num_cached + num_pending :] = tree.ancestor_mask()
     return torch.tensor([positions]), mask[None, None]
+
+
+def node_inputs(tree: DraftTree, cached_nodes: list[int], new_nodes: list[int], num_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and the 4-D boolean mask to feed `new_nodes` to a cache holding the
+    `num_context` committed tokens (the last is the root) then `cached_nodes`, in order.
+    Each new node sees the committed context, its ancestors and itself."""
+    ancestors = tree.ancestor_mask()
+    depths = tree.depths()
+    columns = torch.tensor(cached_nodes + new_nodes, dtype=torch.long)
+    rows = torch.tensor(new_nodes, dtype=torch.long)
+    mask = torch.cat(
+        [torch.ones(len(new_nodes), num_context, dtype=torch.bool), ancestors[rows][:, columns]], dim=1
+    )
+    positions = torch.tensor([[num_context - 1 + depths[n] for n in new_nodes]])
+    return positions, mask[None, None]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from specdec.rpc import invalid
 from specdec.sampling import Sampling, validate_sampling
-from specdec.tree import DraftTree, Proposal
+from specdec.tree import DraftTree, Proposal, TreeShape
 from specdec.v1 import common_pb2
 
 VERIFIER_SERVICE = "specdec.v1.Verifier"
@@ -51,4 +51,19 @@ def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
         max_context=engine.max_context,
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
+    )
+
+
+def shape_to_proto(shape: TreeShape) -> common_pb2.TreeShape:
+    return common_pb2.TreeShape(method=shape.method, branching=shape.branching, width=shape.width, max_depth=shape.max_depth)
+
+
+def shape_from_proto(message: common_pb2.TreeShape) -> TreeShape:
+    """Empty fields take TreeShape's defaults, except max_depth, where 0 already means 'no cap'."""
+    default = TreeShape()
+    return TreeShape(
+        method=message.method or default.method,
+        branching=list(message.branching) or default.branching,
+        width=message.width or default.width,
+        max_depth=message.max_depth,
     )

@@ -102,9 +102,11 @@ def test_concurrent_requests_do_not_cross_talk(client, tiny_stack, verifier_mode
         assert list(answer.token_ids) == hf_greedy(verifier_model, ids, 30)
 
 
-def sampled_first_two_tokens(stack, verifier_model, draws: int, temperature: float = 0.9, prompt=(1, 5, 9)) -> None:
-    """Many 2-token samples through the real services, checked against the verifier's exact
-    joint distribution of the first two tokens (chi-square)."""
+def sampled_first_two_tokens(
+    stack, verifier_model, draws: int, temperature: float = 0.9, prompt=(1, 5, 9), max_new_tokens: int = 2, **request
+) -> None:
+    """Many samples through the real services, checked against the verifier's exact joint
+    distribution of the first two tokens (chi-square). `request` adds GenerateRequest fields."""
     prompt = list(prompt)
     with torch.inference_mode():
         first = torch.softmax(verifier_model(torch.tensor([prompt])).logits[0, -1] / temperature, -1).double()
@@ -114,7 +116,10 @@ def sampled_first_two_tokens(stack, verifier_model, draws: int, temperature: flo
     exact = first[:, None] * second
     counts = torch.zeros(vocab, vocab)
     client = CoordinatorClient(stack["coordinator"])
-    requests = [generate_request(prompt_token_ids=prompt, max_new_tokens=2, temperature=temperature, seed=seed) for seed in range(draws)]
+    requests = [
+        generate_request(prompt_token_ids=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, **request)
+        for seed in range(draws)
+    ]
     with ThreadPoolExecutor(max_workers=4) as pool:
         for answer in pool.map(client.generate, requests):
             tokens = list(answer.token_ids)

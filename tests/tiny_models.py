@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(13)]
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
@@ -21,25 +21,28 @@ def build_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_model_dir(path: Path, seed: int, layers: int = 2, init_range: float = 0.4, words: list[str] = WORDS) -> Path:
-    """A 2-layer Llama over the tiny vocabulary. A wide init range makes its next-token
-    distributions peaked, like a real model's, so acceptance is neither 0 nor 1."""
+def build_model_dir(
+    path: Path, seed: int, layers: int = 2, init_range: float = 0.4, words: list[str] = WORDS, arch: str = "llama"
+) -> Path:
+    """A 2-layer model (Llama, Qwen2 or GPT-2) over the tiny vocabulary. A wide init range
+    makes its next-token distributions peaked, like a real model's, so acceptance is
+    neither 0 nor 1."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(words),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-        initializer_range=init_range,
-    )
-    model = LlamaForCausalLM(config)
+    special = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "tie_word_embeddings": True, "initializer_range": init_range}
+    if arch == "gpt2":
+        config = GPT2Config(vocab_size=len(words), n_embd=32, n_layer=layers, n_head=4, n_positions=128, **special)
+    else:
+        config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](
+            vocab_size=len(words),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            **special,
+        )
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)
     build_tokenizer(words).save_pretrained(path)

@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.kv_cache import keep_positions
-from specdec.models import ModelSpec, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
+from specdec.models import ModelSpec, check_tree_attention, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.rpc import ServiceError, invalid
 from specdec.sampling import Sampling, accept_greedy, accept_sampled, sample, warp_probs
 from specdec.sessions import SessionStore, check_context
@@ -45,6 +45,7 @@ class VerifierEngine:
     def __init__(self, spec: ModelSpec, max_sessions: int = 64, session_ttl_s: float = 600.0, max_tree_nodes: int = 256):
         self.spec = spec
         self.model = load_model(spec)
+        check_tree_attention(self.model)
         self.tokenizer = load_tokenizer(spec.source)
         self.vocab_size = len(self.tokenizer)
         self.eos_ids = set(eos_token_ids(self.model, self.tokenizer))

@@ -1,3 +1,4 @@
+from specdec.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "use_chat_template", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_draft_tokens")
+    __slots__ = ("prompt", "prompt_token_ids", "use_chat_template", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_draft_tokens", "tree")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     USE_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +19,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     use_chat_template: bool
@@ -28,10 +30,11 @@ class GenerateRequest(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     num_draft_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., use_chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    tree: _common_pb2.TreeShape
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., use_chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("rounds", "mean_accepted_per_round", "draft_compute_ms", "verify_compute_ms", "wire_serialization_ms", "serialization_ms", "bytes_sent", "bytes_received", "speculation_budget", "total_ms", "generated_tokens", "tokens_per_second", "accepted_draft_tokens", "drafted_tokens")
+    __slots__ = ("rounds", "mean_accepted_per_round", "draft_compute_ms", "verify_compute_ms", "wire_serialization_ms", "serialization_ms", "bytes_sent", "bytes_received", "speculation_budget", "total_ms", "generated_tokens", "tokens_per_second", "accepted_draft_tokens", "drafted_tokens", "tree_method", "bytes_per_round")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +49,8 @@ class RoundStats(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     mean_accepted_per_round: float
     draft_compute_ms: float
@@ -60,7 +65,9 @@ class RoundStats(_message.Message):
     tokens_per_second: float
     accepted_draft_tokens: int
     drafted_tokens: int
-    def __init__(self, rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., wire_serialization_ms: _Optional[float] = ..., serialization_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., speculation_budget: _Optional[int] = ..., total_ms: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ...) -> None: ...
+    tree_method: str
+    bytes_per_round: float
+    def __init__(self, rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., wire_serialization_ms: _Optional[float] = ..., serialization_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., speculation_budget: _Optional[int] = ..., total_ms: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., tree_method: _Optional[str] = ..., bytes_per_round: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

@@ -1,0 +1,181 @@
+"""Draft-tree builders: one small class per method behind one interface.
+
+A builder decides which nodes to expand and which children to keep; the drafter model
+answers `expand`, which feeds nodes through the model and returns each one's next-token
+distribution. Sampled children carry the proposal they were drawn from (without
+replacement, in the order drawn); deterministic children carry none, which the verifier
+reads as point-mass proposals. Either way verification stays exact.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specdec.tree import ROOT, TREE_METHODS, DraftTree, Proposal, TreeShape
+
+
+@dataclass
+class NextToken:
+    """The drafter's distribution after one node: dense probs, and (sampling only) the
+    sparse proposal the verifier will rebuild exactly the same dense probs from."""
+
+    probs: torch.Tensor
+    proposal: Proposal | None = None
+
+
+# expand(tree, nodes) -> the next-token distribution after each node (ROOT included).
+Expand = Callable[[DraftTree, list[int]], list[NextToken]]
+
+
+class TreeBuilder(ABC):
+    @abstractmethod
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+        """A tree of at most `budget` nodes. rng is None for greedy decoding, when
+        every choice is deterministic (the drafter's top tokens)."""
+
+
+def top_tokens(probs: torch.Tensor, k: int) -> list[int]:
+    """The k likeliest tokens with non-zero probability, likeliest first."""
+    top = torch.topk(probs, min(k, probs.shape[-1]))
+    return [int(t) for t, v in zip(top.indices, top.values) if v > 0]
+
+
+def gumbel(shape: int, rng: torch.Generator) -> torch.Tensor:
+    u = torch.rand(shape, generator=rng, dtype=torch.float64).clamp_min(1e-300)
+    return -torch.log(-torch.log(u))
+
+
+def sample_without_replacement(probs: torch.Tensor, k: int, rng: torch.Generator) -> list[int]:
+    """Gumbel-Top-k: k distinct tokens in the order sequential draws without replacement
+    would give them."""
+    support = torch.nonzero(probs > 0).flatten()
+    keys = probs[support].log() + gumbel(len(support), rng)
+    order = torch.argsort(keys, descending=True)[:k]
+    return support[order].tolist()
+
+
+class KaryTree(TreeBuilder):
+    """A fixed shape: every node at depth d gets branching[d] children (1 past the list),
+    breadth first until the budget is spent. `sampled` draws the children without
+    replacement (RSD-C; a chain when every branching is 1); otherwise they are the
+    drafter's top tokens (a static tree)."""
+
+    def __init__(self, branching: list[int], sampled: bool, max_depth: int):
+        self.branching = branching
+        self.sampled = sampled
+        self.max_depth = max_depth
+
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+        tree = DraftTree()
+        level, depth = [ROOT], 0
+        while level and len(tree) < budget and depth < (self.max_depth or budget):
+            width = self.branching[depth] if depth < len(self.branching) else 1
+            parents = level[: math.ceil((budget - len(tree)) / width)]
+            next_level = []
+            for parent, dist in zip(parents, expand(tree, parents)):
+                k = min(width, budget - len(tree))
+                if self.sampled and rng is not None:
+                    tokens = sample_without_replacement(dist.probs, k, rng)
+                    tree.proposals[parent] = dist.proposal
+                else:
+                    tokens = top_tokens(dist.probs, k)
+                next_level += [tree.add(token, parent) for token in tokens]
+            level, depth = next_level, depth + 1
+        return tree
+
+
+class DynamicTree(TreeBuilder):
+    """EAGLE-2: at each depth expand the `width` candidates with the highest cumulative
+    draft log-probability, each into its top `width` children; finally keep the best
+    `budget` candidates overall. A child never outscores its parent, so the kept set
+    contains every kept node's parent, and drafting stops once no deeper node could
+    make the cut."""
+
+    def __init__(self, width: int, max_depth: int):
+        self.width = width
+        self.max_depth = max_depth
+
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+        candidates, score = DraftTree(), []
+        frontier = [ROOT]
+        for _ in range(self.max_depth or budget):
+            if len(score) >= budget and max(score[n] for n in frontier) < sorted(score, reverse=True)[budget - 1]:
+                break
+            new = []
+            for parent, dist in zip(frontier, expand(candidates, frontier)):
+                base = 0.0 if parent == ROOT else score[parent]
+                for token in top_tokens(dist.probs, self.width):
+                    new.append(candidates.add(token, parent))
+                    score.append(base + math.log(float(dist.probs[token])))
+            frontier = sorted(new, key=lambda n: -score[n])[: self.width]
+        best = sorted(range(len(candidates)), key=lambda n: (-score[n], n))[:budget]
+        return candidates.subtree(sorted(best))
+
+
+class StochasticBeamTree(TreeBuilder):
+    """RSD-S: stochastic beam search (Kool et al. 2019) over sequences. Each depth keeps
+    the `width` children with the largest Gumbel-perturbed sequence log-probabilities,
+    conditioned on their parent's key. Each parent's kept children are then a prefix of
+    one without-replacement draw from its proposal, and unlikely branches end early.
+    Greedy decoding makes it a plain beam search."""
+
+    def __init__(self, width: int, max_depth: int):
+        self.width = width
+        self.max_depth = max_depth
+
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+        tree = DraftTree()
+        logp, key = {ROOT: 0.0}, {ROOT: 0.0}  # sequence log-prob and its perturbed key
+        beam, depth = [ROOT], 0
+        while beam and len(tree) < budget and depth < (self.max_depth or budget):
+            choices = []  # (key, parent, token, logp)
+            for parent, dist in zip(beam, expand(tree, beam)):
+                if rng is None:
+                    tokens = torch.tensor(top_tokens(dist.probs, self.width), dtype=torch.long)
+                else:
+                    tokens = torch.nonzero(dist.probs > 0).flatten()
+                    tree.proposals[parent] = dist.proposal
+                child_logp = logp[parent] + dist.probs[tokens].log()
+                child_key = child_logp if rng is None else conditioned_gumbel(child_logp, key[parent], rng)
+                choices += [(float(k), parent, int(t), float(lp)) for k, t, lp in zip(child_key, tokens, child_logp)]
+            chosen = sorted(choices, key=lambda c: -c[0])[: min(self.width, budget - len(tree))]
+            kept_parents = {c[1] for c in chosen}
+            tree.proposals = {n: q for n, q in tree.proposals.items() if n not in beam or n in kept_parents}
+            next_beam = []
+            for parent in beam:  # siblings in the order they were drawn
+                for k, _, token, lp in (c for c in chosen if c[1] == parent):
+                    node = tree.add(token, parent)
+                    logp[node], key[node] = lp, k
+                    next_beam.append(node)
+            beam, depth = next_beam, depth + 1
+        return tree
+
+
+def conditioned_gumbel(logp: torch.Tensor, parent_key: float, rng: torch.Generator) -> torch.Tensor:
+    """Gumbel(logp) keys conditioned on their maximum being parent_key (Kool et al. 2019,
+    appendix B, in its numerically stable form). A monotone map of the unconditioned keys."""
+    perturbed = logp + gumbel(len(logp), rng)
+    top = perturbed.max()
+    v = parent_key - perturbed + _log1mexp(perturbed - top)
+    return parent_key - v.clamp_min(0.0) - torch.log1p(torch.exp(-v.abs()))
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0."""
+    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def builder_for(shape: TreeShape) -> TreeBuilder:
+    builders: dict[str, Callable[[], TreeBuilder]] = {
+        "chain": lambda: KaryTree([1], sampled=True, max_depth=shape.max_depth),
+        "static": lambda: KaryTree(shape.branching, sampled=False, max_depth=shape.max_depth),
+        "rsd-c": lambda: KaryTree(shape.branching, sampled=True, max_depth=shape.max_depth),
+        "dynamic": lambda: DynamicTree(shape.width, shape.max_depth),
+        "rsd-s": lambda: StochasticBeamTree(shape.width, shape.max_depth),
+    }
+    assert set(builders) == set(TREE_METHODS)
+    return builders[shape.method]()

@@ -1,0 +1,340 @@
+"""Draft trees: the builders on their own (shape, budget, exactness of the verification
+they feed, checked over thousands of draws), property tests of the tree encoding, masks
+and KV compaction, and every method through the real services against generate()."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
+
+from drafter_service.tree_builders import NextToken, builder_for
+from specdec.client import CoordinatorClient, generate_request
+from specdec.kv_cache import keep_positions
+from specdec.models import ModelSpec, UnsupportedModel, check_tree_attention, load_model
+from specdec.sampling import accept_greedy, accept_sampled
+from specdec.tree import ROOT, TREE_METHODS, DraftTree, Proposal, TreeShape, node_inputs, verification_inputs
+from specdec.v1 import common_pb2
+from specdec.wire import shape_from_proto, shape_to_proto, tree_from_proto, tree_to_proto
+from tests.conftest import local_stack, tiny_config
+from tests.stats import assert_matches_distribution
+from tests.test_services import hf_greedy, sampled_first_two_tokens
+from tests.tiny_models import build_model_dir
+
+VOCAB = 5
+ROOT_TOKEN = 0
+
+
+def markov(seed: int, sharpness: float) -> torch.Tensor:
+    """A next-token table over a small vocabulary: row t is the distribution after token t."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64) * sharpness, dim=-1)
+
+
+def table_expand(table: torch.Tensor, sampled: bool):
+    """The drafter side of a builder without a model: the next-token distribution after a
+    node is the table row of its token; sampled drafts carry the matching sparse proposal."""
+
+    def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
+        out = []
+        for node in nodes:
+            probs = table[ROOT_TOKEN if node == ROOT else tree.token_ids[node]]
+            proposal = Proposal(list(range(VOCAB)), probs.tolist()) if sampled else None
+            out.append(NextToken(proposal.dense(VOCAB) if proposal else probs, proposal))
+        return out
+
+    return expand
+
+
+SHAPES = {
+    "chain": TreeShape("chain"),
+    "static": TreeShape("static", branching=[3, 2]),
+    "dynamic": TreeShape("dynamic", width=3, max_depth=3),
+    "rsd-c": TreeShape("rsd-c", branching=[3, 2]),
+    "rsd-s": TreeShape("rsd-s", width=3),
+}
+assert set(SHAPES) == set(TREE_METHODS)
+
+
+def check_well_formed(tree: DraftTree, budget: int, vocab: int = VOCAB) -> None:
+    tree.validate(vocab)
+    assert 1 <= len(tree) <= budget
+    for node in [ROOT, *range(len(tree))]:
+        siblings = [tree.token_ids[c] for c in tree.children(node)]
+        assert len(set(siblings)) == len(siblings), "siblings repeat a token"
+
+
+@pytest.mark.parametrize("method", TREE_METHODS)
+@pytest.mark.parametrize("budget", [1, 4, 9])
+def test_builders_respect_budget_and_form(method, budget):
+    draft = markov(0, 2.0)
+    greedy_tree = builder_for(SHAPES[method]).build(table_expand(draft, False), budget, None)
+    check_well_formed(greedy_tree, budget)
+    assert not greedy_tree.proposals, "greedy drafts carry no proposals"
+    sampled_tree = builder_for(SHAPES[method]).build(table_expand(draft, True), budget, torch.Generator().manual_seed(1))
+    check_well_formed(sampled_tree, budget)
+    if method in ("static", "dynamic"):
+        assert not sampled_tree.proposals, "deterministic children are point-mass proposals"
+    else:
+        assert all(sampled_tree.children(n) for n in sampled_tree.proposals)
+    if method in ("static", "rsd-c", "rsd-s") and budget >= 4:
+        assert len(greedy_tree.children(ROOT)) == 3
+
+
+def test_chain_and_static_shapes():
+    draft = markov(0, 2.0)
+    chain = builder_for(TreeShape("chain")).build(table_expand(draft, False), 4, None)
+    assert chain.parent == [ROOT, 0, 1, 2]
+    assert chain.token_ids[0] == int(draft[ROOT_TOKEN].argmax())
+    static = builder_for(TreeShape("static", branching=[3, 2])).build(table_expand(draft, False), 9, None)
+    # 3 children of the root, 2 under each, then chains of one
+    assert static.depths() == [1, 1, 1, 2, 2, 2, 2, 2, 2]
+    assert static.token_ids[:3] == torch.topk(draft[ROOT_TOKEN], 3).indices.tolist()
+
+
+def all_sequences_by_logprob(table: torch.Tensor, depth: int) -> dict[tuple, float]:
+    out = {}
+    for length in range(1, depth + 1):
+        for seq in itertools.product(range(VOCAB), repeat=length):
+            prev, logp = ROOT_TOKEN, 0.0
+            for t in seq:
+                logp += math.log(float(table[prev, t]))
+                prev = t
+            out[seq] = logp
+    return out
+
+
+def paths(tree: DraftTree) -> set[tuple]:
+    return {tuple(tree.token_ids[n] for n in tree.path_to(node)) for node in range(len(tree))}
+
+
+def test_dynamic_keeps_the_best_expanded_candidates():
+    """With width >= vocabulary every sequence up to max_depth is a candidate, so the kept
+    set must be exactly the `budget` likeliest sequences."""
+    draft = markov(3, 2.0)
+    tree = builder_for(TreeShape("dynamic", width=VOCAB, max_depth=2)).build(table_expand(draft, False), 7, None)
+    scores = all_sequences_by_logprob(draft, 2)
+    best = sorted(scores, key=lambda s: -scores[s])[:7]
+    assert paths(tree) == set(best)
+
+
+def test_rsd_s_without_noise_is_beam_search():
+    draft = markov(4, 1.0)
+    tree = builder_for(TreeShape("rsd-s", width=2)).build(table_expand(draft, False), 6, None)
+    scores = all_sequences_by_logprob(draft, 3)
+    beam = [()]
+    for depth in range(1, 4):
+        candidates = [b + (t,) for b in beam for t in range(VOCAB)]
+        beam = sorted(candidates, key=lambda s: -scores[s])[:2]
+        assert {p for p in paths(tree) if len(p) == depth} == set(beam)
+
+
+@pytest.mark.parametrize("method", TREE_METHODS)
+def test_tree_verification_is_exact_for_every_builder(method):
+    """Draft a tree from one table, verify it against another with recursive rejection
+    sampling, then continue from the target: the first three tokens must follow the
+    target's joint distribution exactly (chi-square over 6,000 draws)."""
+    draft, target = markov(0, 1.5), markov(1, 1.5)
+    builder = builder_for(SHAPES[method])
+    rng = torch.Generator().manual_seed(7)
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    accepted = 0
+    for _ in range(6000):
+        tree = builder.build(table_expand(draft, True), 8, rng)
+        rows = torch.stack([target[ROOT_TOKEN]] + [target[t] for t in tree.token_ids])
+        path, next_token = accept_sampled(tree, rows, rng)
+        accepted += len(path)
+        tokens = [tree.token_ids[n] for n in path] + [next_token]
+        while len(tokens) < 3:
+            tokens.append(int(torch.multinomial(target[tokens[-1]], 1, generator=rng)))
+        counts[tokens[0], tokens[1], tokens[2]] += 1
+    exact = target[ROOT_TOKEN][:, None, None] * target[:, :, None] * target[None, :, :]
+    assert_matches_distribution(counts, exact)
+    assert accepted / 6000 > 0.3  # the tree does get used
+
+
+@pytest.mark.parametrize("method", TREE_METHODS)
+def test_greedy_acceptance_follows_the_target_argmax(method):
+    draft, target = markov(0, 3.0), markov(0, 3.0) * 0.5 + markov(1, 3.0) * 0.5
+    tree = builder_for(SHAPES[method]).build(table_expand(draft, False), 8, None)
+    argmax = [int(target[ROOT_TOKEN].argmax())] + [int(target[t].argmax()) for t in tree.token_ids]
+    path, next_token = accept_greedy(tree, argmax)
+    tokens = [tree.token_ids[n] for n in path] + [next_token]
+    prev = ROOT_TOKEN
+    for t in tokens:
+        assert t == int(target[prev].argmax())
+        prev = t
+
+
+# --- property tests: encoding, masks, compaction -------------------------------------------
+
+@st.composite
+def trees(draw, max_nodes: int = 24, vocab: int = 50):
+    n = draw(st.integers(1, max_nodes))
+    parent = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    tokens = [draw(st.integers(0, vocab - 1)) for _ in range(n)]
+    return DraftTree(tokens, parent)
+
+
+@given(trees())
+@settings(max_examples=200, deadline=None)
+def test_tree_wire_round_trip_and_ancestry(tree):
+    tree.validate(50)
+    back = tree_from_proto(tree_to_proto(tree))
+    assert (back.token_ids, back.parent, back.proposals) == (tree.token_ids, tree.parent, tree.proposals)
+    mask = tree.ancestor_mask()
+    for node in range(len(tree)):
+        ancestors = set(tree.path_to(node))
+        assert {j for j in range(len(tree)) if mask[node, j]} == ancestors
+        assert tree.depths()[node] == len(ancestors)
+
+
+@given(trees(), st.integers(1, 20), st.data())
+@settings(max_examples=150, deadline=None)
+def test_node_inputs_agree_with_one_pass_verification(tree, num_context, data):
+    """Feeding nodes in any parents-first batches over a cache gives each node the same
+    visible set and position as the verifier's single pass."""
+    _, full_mask = verification_inputs(tree, num_context - 1, 1)
+    full_positions, _ = verification_inputs(tree, num_context - 1, 1)
+    order = list(range(len(tree)))
+    cut = sorted(set(data.draw(st.lists(st.integers(1, len(tree)), max_size=3))))
+    batches = [order[a:b] for a, b in zip([0, *cut], [*cut, len(tree)]) if a < b]
+    cached: list[int] = []
+    for batch in batches:
+        positions, mask = node_inputs(tree, cached, batch, num_context)
+        columns = list(range(num_context)) + [num_context + n for n in cached + batch]
+        for row, node in enumerate(batch):
+            assert positions[0, row] == full_positions[0, 1 + node]
+            assert torch.equal(mask[0, 0, row], full_mask[0, 0, 1 + node, columns])
+            # nothing outside these columns is visible in the one-pass mask either
+            assert int(full_mask[0, 0, 1 + node].sum()) == int(mask[0, 0, row].sum())
+        cached += batch
+
+
+@given(trees(max_nodes=16), st.data())
+@settings(max_examples=150, deadline=None)
+def test_subtree_keeps_the_paths_of_kept_nodes(tree, data):
+    node = data.draw(st.integers(0, len(tree) - 1))
+    keep = sorted(set(tree.path_to(node)) | {n for n in range(len(tree)) if tree.parent[n] == ROOT})
+    sub = tree.subtree(keep)
+    sub.validate(50)
+    assert paths(sub) == {tuple(tree.token_ids[m] for m in tree.path_to(n)) for n in keep}
+
+
+@given(st.integers(0, 12), st.integers(0, 10), st.data())
+@settings(max_examples=150, deadline=None)
+def test_keep_positions_compacts_to_the_accepted_path(prefix, extra_len, data):
+    total = prefix + extra_len
+    extra = sorted(data.draw(st.sets(st.integers(prefix, max(total - 1, prefix)), max_size=extra_len))) if extra_len else []
+    cache = DynamicCache()
+    keys = torch.arange(total, dtype=torch.float32).reshape(1, 1, total, 1).repeat(1, 2, 1, 3)
+    for layer in range(2):
+        cache.update(keys + 100 * layer, -keys, layer)
+    keep_positions(cache, prefix, extra)
+    expected = list(range(prefix)) + extra
+    for layer, cached in enumerate(cache.layers):
+        assert cached.keys[0, 0, :, 0].tolist() == [float(p + 100 * layer) for p in expected]
+        assert cached.values[0, 1, :, 2].tolist() == [-float(p) for p in expected]
+    assert cache.get_seq_length() == len(expected)
+
+
+def test_tree_shape_wire_and_validation():
+    shape = TreeShape("rsd-c", branching=[4, 2], width=3, max_depth=5)
+    assert shape_from_proto(shape_to_proto(shape)) == shape
+    for bad, message in [
+        (TreeShape("beam"), "tree method must be one of"),
+        (TreeShape("static", branching=[]), "branching"),
+        (TreeShape("static", branching=[2, 0]), "branching"),
+        (TreeShape("dynamic", width=0), "width"),
+        (TreeShape("dynamic", max_depth=-1), "max_depth"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            bad.validate()
+
+
+# --- every method through the real services -------------------------------------------------
+
+SERVICE_PROMPTS = [[1, 3, 4, 5], [1, 7], [1, 4, 4, 9, 12, 0], [1, 11, 3, 8, 8, 2, 5, 6]]
+
+
+def tree_request(method: str) -> common_pb2.TreeShape:
+    return shape_to_proto(SHAPES[method])
+
+
+@pytest.fixture(scope="module")
+def tree_stack(tiny_dirs):
+    with local_stack(tiny_config(tiny_dirs)) as stack:
+        stack["client"] = CoordinatorClient(stack["coordinator"])
+        yield stack
+        stack["client"].close()
+
+
+@pytest.fixture(scope="module")
+def tiny_verifier(tiny_dirs):
+    return load_model(ModelSpec(str(tiny_dirs["verifier"])))
+
+
+@pytest.mark.parametrize("method", TREE_METHODS)
+@pytest.mark.parametrize("budget", [8, 16])
+def test_greedy_trees_are_token_identical_to_generate(tree_stack, tiny_verifier, method, budget):
+    for ids in SERVICE_PROMPTS:
+        response = tree_stack["client"].generate(
+            generate_request(prompt_token_ids=ids, max_new_tokens=40, num_draft_tokens=budget, tree=tree_request(method))
+        )
+        assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40), (method, ids)
+        stats = response.stats
+        assert stats.tree_method == method and stats.speculation_budget == budget
+        assert stats.drafted_tokens <= budget * stats.rounds
+        assert stats.bytes_per_round == pytest.approx((stats.bytes_sent + stats.bytes_received) / stats.rounds)
+
+
+def test_trees_accept_more_than_a_chain_of_the_same_budget(tree_stack):
+    def accepted(method: str) -> float:
+        totals = [0, 0]
+        for ids in SERVICE_PROMPTS:
+            stats = tree_stack["client"].generate(
+                generate_request(prompt_token_ids=ids, max_new_tokens=40, num_draft_tokens=8, tree=tree_request(method))
+            ).stats
+            totals[0] += stats.accepted_draft_tokens
+            totals[1] += stats.rounds
+        return totals[0] / totals[1]
+
+    chain = accepted("chain")
+    assert max(accepted(m) for m in ("static", "dynamic", "rsd-s")) > chain
+
+
+@pytest.mark.parametrize("method", TREE_METHODS)
+def test_sampled_trees_follow_the_verifier_distribution(tree_stack, tiny_verifier, method):
+    """max_new_tokens=3 lets the first round draft two levels, so the first two tokens come
+    out of a real two-level tree verification."""
+    sampled_first_two_tokens(tree_stack, tiny_verifier, draws=2000, max_new_tokens=3, num_draft_tokens=8, tree=tree_request(method))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_other_architectures_verify_trees_exactly(tmp_path, arch):
+    verifier = build_model_dir(tmp_path / "verifier", seed=1, arch=arch)
+    drafter = build_model_dir(tmp_path / "drafter", seed=2, layers=1, arch=arch)
+    config = {"verifier": {"model": str(verifier), "torch_threads": 1}, "drafter": {"model": str(drafter), "torch_threads": 1}}
+    model = load_model(ModelSpec(str(verifier)))
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        for method in ("dynamic", "rsd-s"):
+            for ids in SERVICE_PROMPTS[:2]:
+                response = client.generate(
+                    generate_request(prompt_token_ids=ids, max_new_tokens=30, num_draft_tokens=12, tree=tree_request(method))
+                )
+                assert list(response.token_ids) == hf_greedy(model, ids, 30), (arch, method)
+        client.close()
+
+
+def test_architectures_that_ignore_tree_masks_are_refused():
+    config = Gemma2Config(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    )
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedModel, match="'gemma2' does not honour a custom 4-D attention mask"):
+        check_tree_attention(Gemma2ForCausalLM(config).eval())
