@@ -1,13 +1,14 @@
 """`specdec bench`: speed measured side by side in one run on the same prompts.
 
 Methods: verifier-only decoding through the services (`autoregressive`), speculative
-decoding through the services (`speculative`, one row per budget), Hugging Face assisted
+decoding through the services (`speculative`, one row per tree method and budget), Hugging Face assisted
 generation with the same pair in-process (`hf_assisted`) and plain `generate()` of the
 verifier in-process (`hf_generate`). Writes JSON and a plot, prints a table.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdec.cli import add_tree_arguments, tree_overrides
 from specdec.prompts import PACKAGED_PROMPTS, evaluation_split, load_prompts
-
+from specdec.tree import TREE_METHODS, TreeShape
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +33,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-prompts", type=int, default=0, help="skip this many held-out prompts first")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
-    parser.add_argument("--budgets", default="2,4", help="comma-separated draft tokens per round for `speculative`")
+    parser.add_argument("--budgets", default="2,4", help="comma-separated draft tree nodes per round for `speculative`")
+    parser.add_argument("--trees", default="chain", help=f"comma-separated tree methods for `speculative` ({', '.join(TREE_METHODS)})")
+    add_tree_arguments(parser, with_method=False)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", help="YAML config for the stack (models, placement, speculation)")
     parser.add_argument("--port", type=int, default=50061, help="client port of the stack the bench starts")
@@ -47,6 +51,7 @@ class Tally:
     speculative_rounds: int = 0
     wire_ms: float = 0.0
     total_ms: float = 0.0
+    rounds: int = 0
     bytes_per_round: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
 
@@ -56,9 +61,10 @@ class Tally:
         self.seconds += seconds
         self.accepted += stats.accepted_draft_tokens
         self.speculative_rounds += stats.rounds if stats.drafted_tokens else 0
+        self.rounds += stats.rounds
         self.wire_ms += stats.wire_serialization_ms
         self.total_ms += stats.total_ms
-        self.bytes_per_round.append((stats.bytes_sent + stats.bytes_received) / max(stats.rounds, 1))
+        self.bytes_per_round.append(stats.bytes_per_round)
         self.outputs.append(list(response.token_ids))
 
 
@@ -67,9 +73,18 @@ def run_bench(args) -> int:
     from specdec.client import CoordinatorClient, generate_request
     from specdec.launch import start_stack, stop_stack
     from specdec.models import load_model, load_tokenizer
+    from specdec.wire import shape_to_proto
 
     temperatures = [float(t) for t in args.temperature.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
+    trees = args.trees.split(",")
+    shapes = {}
+    for method in trees:
+        shapes[method] = TreeShape(**{**tree_overrides(args), "method": method})
+        try:
+            shapes[method].validate()
+        except ValueError as err:
+            raise SystemExit(f"--trees: {err}") from None
     categories = args.categories.split(",") if args.categories else None
     prompts = evaluation_split(load_prompts(args.prompts, categories), args.num_prompts, args.skip_prompts)
     if not prompts:
@@ -85,11 +100,16 @@ def run_bench(args) -> int:
         for p in prompts
     ]
 
-    def through_services(budget: int, temperature: float) -> Tally:
+    def through_services(budget: int, temperature: float, shape: TreeShape | None = None) -> Tally:
         tally = Tally()
         for i, ids in enumerate(chat_ids):
             request = generate_request(
-                prompt_token_ids=ids, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, num_draft_tokens=budget
+                prompt_token_ids=ids,
+                max_new_tokens=args.max_new_tokens,
+                temperature=temperature,
+                seed=args.seed + i,
+                num_draft_tokens=budget,
+                tree=shape_to_proto(shape) if shape else None,
             )
             start = time.perf_counter()
             response = client.generate(request)
@@ -118,12 +138,16 @@ def run_bench(args) -> int:
             tally.outputs.append(new)
         return tally
 
-    # (name, method, budget, runner)
-    methods = [("autoregressive", "autoregressive", 0, lambda t: through_services(0, t))]
-    methods += [(f"speculative_k{b}", "speculative", b, lambda t, b=b: through_services(b, t)) for b in budgets]
+    # (name, method, tree, budget, runner)
+    methods = [("autoregressive", "autoregressive", None, 0, lambda t: through_services(0, t))]
     methods += [
-        ("hf_assisted", "hf_assisted", None, lambda t: in_process(True, t)),
-        ("hf_generate", "hf_generate", None, lambda t: in_process(False, t)),
+        (f"{tree}_b{b}", "speculative", tree, b, lambda t, b=b, tree=tree: through_services(b, t, shapes[tree]))
+        for tree in trees
+        for b in budgets
+    ]
+    methods += [
+        ("hf_assisted", "hf_assisted", None, None, lambda t: in_process(True, t)),
+        ("hf_generate", "hf_generate", None, None, lambda t: in_process(False, t)),
     ]
     results = []
     try:
@@ -131,20 +155,22 @@ def run_bench(args) -> int:
             warm = generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature)
             client.generate(warm)
             tallies = {}
-            for name, method, budget, runner in tqdm(methods, desc=f"T={temperature}", unit="method"):
+            for name, _, _, _, runner in tqdm(methods, desc=f"T={temperature}", unit="method"):
                 tallies[name] = runner(temperature)
             base = tallies["autoregressive"]
             reference = tallies["hf_generate"].outputs
-            for name, method, budget, _ in methods:
+            for name, method, tree, budget, _ in methods:
                 tally = tallies[name]
                 tps = tally.tokens / tally.seconds if tally.seconds else 0.0
                 row = {
                     "name": name,
                     "method": method,
+                    "tree": tree,
                     "budget": budget,
                     "temperature": temperature,
                     "tokens_per_second": tps,
                     "mean_accepted_per_round": tally.accepted / tally.speculative_rounds if tally.speculative_rounds else None,
+                    "tokens_per_verify_call": tally.tokens / tally.rounds if tally.rounds else None,
                     "speedup_vs_autoregressive": tps / (base.tokens / base.seconds),
                     "wire_share": tally.wire_ms / tally.total_ms if tally.total_ms else None,
                     "bytes_per_round": sum(tally.bytes_per_round) / len(tally.bytes_per_round) if tally.bytes_per_round else None,
@@ -169,6 +195,7 @@ def run_bench(args) -> int:
             "max_new_tokens": args.max_new_tokens,
             "temperatures": temperatures,
             "budgets": budgets,
+            "trees": {method: dataclasses.asdict(shape) for method, shape in shapes.items()},
             "torch_threads": torch.get_num_threads(),
         },
         "results": results,
@@ -178,8 +205,12 @@ def run_bench(args) -> int:
     out.write_text(json.dumps(report, indent=2))
     plot_path = out.with_suffix(".png")
     plot_results(results, plot_path)
+    written = [out, plot_path]
+    if len(budgets) > 1:
+        written.append(out.with_name(out.stem + "_trees.png"))
+        plot_acceptance_by_budget(results, written[-1])
     print(format_table(results))
-    print(f"wrote {out} and {plot_path}")
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 
@@ -188,13 +219,13 @@ def format_table(results: list[dict]) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [
-        "| method | budget | T | tokens/s | speedup vs autoregressive | accepted/round | wire share | greedy = generate() |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | tree | budget | T | tokens/s | speedup vs autoregressive | accepted/round | bytes/round | wire share | greedy = generate() |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['name']} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
-            f"{r['speedup_vs_autoregressive']:.2f}x | {fmt(r['mean_accepted_per_round'], '.2f')} | "
+            f"| {r['method']} | {r.get('tree') or '-'} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
+            f"{r['speedup_vs_autoregressive']:.2f}x | {fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
             f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_hf_generate'), '.0%')} |"
         )
     return "\n".join(lines)
@@ -217,6 +248,31 @@ def plot_results(results: list[dict], path: Path) -> None:
         ax.set_ylabel("tokens / s")
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle("specdec bench: tokens/s (label: speedup vs verifier-only through the services)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_acceptance_by_budget(results: list[dict], path: Path) -> None:
+    """Accepted draft tokens per verifier call against the node budget, one line per tree method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r["temperature"] for r in results})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        rows = [r for r in results if r["temperature"] == temperature and r["method"] == "speculative"]
+        for tree in dict.fromkeys(r["tree"] for r in rows):
+            line = sorted((r["budget"], r["mean_accepted_per_round"]) for r in rows if r["tree"] == tree)
+            ax.plot([b for b, _ in line], [a for _, a in line], marker="o", label=tree)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_xlabel("draft tree nodes per round (budget)")
+        ax.set_ylabel("accepted draft tokens per verifier call")
+        ax.legend()
+    fig.suptitle("specdec bench: acceptance by tree method and budget")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

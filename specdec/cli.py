@@ -6,13 +6,39 @@ import signal
 import sys
 import threading
 
+from specdec.tree import TREE_METHODS
+
 DEFAULT_PROMPT = "Explain speculative decoding in three sentences."
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser, with_method: bool = True) -> None:
+    """The draft-tree shape flags (common.proto TreeShape); unset flags keep the config's values."""
+    if with_method:
+        parser.add_argument("--tree", choices=TREE_METHODS, help="how the drafter spends the budget (default: the config's)")
+    parser.add_argument("--tree-branching", help="static, rsd-c: children per node at depth 1, 2, ..., e.g. 4,2,2")
+    parser.add_argument("--tree-width", type=int, help="dynamic: nodes expanded per depth and children each; rsd-s: beam width")
+    parser.add_argument("--tree-depth", type=int, help="deepest level drafted (0 = as deep as the budget allows)")
+
+
+def tree_overrides(args) -> dict:
+    """The tree flags that were given, as a coordinator.tree config mapping."""
+    given = {
+        "method": getattr(args, "tree", None),
+        "branching": [int(b) for b in args.tree_branching.split(",")] if args.tree_branching else None,
+        "width": args.tree_width,
+        "max_depth": args.tree_depth,
+    }
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _app_args(args) -> dict:
     app_args: dict = {"coordinator": {"port": args.port}}
     if args.config:
         app_args["config_file"] = args.config
+    if args.num_draft_tokens is not None:
+        app_args["coordinator"]["num_draft_tokens"] = args.num_draft_tokens
+    if tree_overrides(args):
+        app_args["coordinator"]["tree"] = tree_overrides(args)
     return app_args
 
 
@@ -56,6 +82,14 @@ def _stream_to_terminal(address: str, prompt: str, **fields) -> None:
 def cmd_generate(args) -> int:
     import grpc
 
+    from specdec.tree import TreeShape
+    from specdec.wire import shape_to_proto
+
+    overrides = tree_overrides(args)
+    if overrides and "method" not in overrides:
+        print("error: --tree-branching, --tree-width and --tree-depth need --tree", file=sys.stderr)
+        return 2
+    tree = shape_to_proto(TreeShape(**overrides)) if overrides else None
     try:
         _stream_to_terminal(
             args.address,
@@ -68,6 +102,7 @@ def cmd_generate(args) -> int:
             seed=args.seed,
             stop=args.stop or None,
             num_draft_tokens=args.num_draft_tokens,
+            tree=tree,
         )
     except grpc.RpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
@@ -103,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=50051, help="client gRPC port (default 50051)")
     serve.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     serve.add_argument("--demo", nargs="?", const=DEFAULT_PROMPT, help="once serving, stream one answer to this prompt")
+    serve.add_argument("--num-draft-tokens", type=int, help="default draft tree nodes per round (0 = verifier only)")
+    add_tree_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running server and print round statistics")
@@ -114,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--num-draft-tokens", type=int, help="draft tokens per round; 0 = verifier only")
+    gen.add_argument("--num-draft-tokens", type=int, help="draft tree nodes per round; 0 = verifier only")
+    add_tree_arguments(gen)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=cmd_generate)
 

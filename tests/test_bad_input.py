@@ -53,6 +53,8 @@ def still_serving(coordinator):
         ({"prompt": "w1", "prompt_token_ids": [1]}, ["only one of prompt and prompt_token_ids"]),
         ({"prompt": "w1", "stop": [""]}, ["stop"]),
         ({"prompt": "w1", "num_draft_tokens": -1}, ["num_draft_tokens"]),
+        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="beam")}, ["tree method must be one of", "rsd-s"]),
+        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="static", branching=[2, 0])}, ["branching"]),
     ],
 )
 def test_bad_generate_requests(clients, fields, phrases):
@@ -162,3 +164,12 @@ def test_coordinator_refuses_a_mismatched_pair(tiny_dirs):
     finally:
         v_server.stop(None)
         d_server.stop(None)
+
+
+def test_bad_tree_shape_sent_to_the_drafter(clients):
+    drafter = clients[2]
+    request = drafter_pb2.DraftRequest(
+        session_id="shape", start=_start(), committed_length=3, num_draft_tokens=4, tree_shape=common_pb2.TreeShape(method="bushy")
+    )
+    expect_error(lambda: drafter.call("Draft", request, drafter_pb2.DraftResponse), INVALID, "tree_shape", "bushy")
+    still_serving(clients[0])

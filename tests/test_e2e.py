@@ -10,7 +10,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.models import BUILTIN_SMOLLM2, ModelSpec, load_model, load_tokenizer
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import free_port
 
 # Not from Spec-Bench, and not seen anywhere else in the project.
@@ -56,3 +56,22 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
             stats = parts[-1].stats
             assert stats.rounds > 0 and stats.speculation_budget > 0 and stats.bytes_sent > 0
             assert parts[-1].finish_reason in ("stop", "length")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("method", ["dynamic", "rsd-s"])
+def test_draft_trees_with_the_default_pair_match_generate(ray_stack, method):
+    tokenizer = load_tokenizer(BUILTIN_SMOLLM2)
+    verifier = load_model(ModelSpec(BUILTIN_SMOLLM2))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": UNSEEN_PROMPTS[1]}], add_generation_prompt=True, return_dict=False)
+    with grpc.insecure_channel(ray_stack) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        request = coordinator_pb2.GenerateRequest(
+            prompt_token_ids=ids, max_new_tokens=64, num_draft_tokens=16, tree=common_pb2.TreeShape(method=method)
+        )
+        reply = stub.Generate(request, timeout=600)
+    with torch.inference_mode():
+        inputs = torch.tensor([ids])
+        expected = verifier.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=64, do_sample=False)[0, len(ids) :]
+    assert list(reply.token_ids) == expected.tolist()
+    assert reply.stats.tree_method == method and reply.stats.accepted_draft_tokens > 0

@@ -1,11 +1,13 @@
 """The committed generated gRPC code is current, and configuration errors are clear."""
 from __future__ import annotations
 
+import argparse
 import filecmp
 from pathlib import Path
 
 import pytest
 
+from specdec.cli import add_tree_arguments, main, tree_overrides
 from specdec.config import ConfigError, config_from_dict, load_config
 from specdec.protos import REPO_ROOT, generate
 
@@ -38,6 +40,10 @@ def test_default_config_is_the_builtin_pair():
         ({"drafter": {"model": {"layers": 0}}}, "drafter.model.layers"),
         ({"drafter": {"ray_actor_options": 3}}, "drafter.ray_actor_options must be a mapping"),
         ({"verifier": {"model": 12}}, "verifier.model must be a mapping"),
+        ({"coordinator": {"tree": {"method": "beam"}}}, "coordinator.tree method must be one of chain, static"),
+        ({"coordinator": {"tree": {"branching": [2, 0]}}}, "coordinator.tree branching"),
+        ({"coordinator": {"tree": {"width": 0}}}, "coordinator.tree width"),
+        ({"coordinator": {"tree": {"depth": 3}}}, "unknown key coordinator.tree.depth"),
     ],
 )
 def test_config_errors_name_the_key(data, phrase):
@@ -56,3 +62,17 @@ def test_yaml_file_loading(tmp_path: Path):
         load_config(path)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_tree_settings_from_yaml_and_cli(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("coordinator:\n  tree: {method: rsd-c, branching: [3, 2], width: 2, max_depth: 5}\n")
+    tree = load_config(path).coordinator.tree
+    assert (tree.method, tree.branching, tree.width, tree.max_depth) == ("rsd-c", [3, 2], 2, 5)
+
+    parser = argparse.ArgumentParser()
+    add_tree_arguments(parser)
+    args = parser.parse_args(["--tree", "dynamic", "--tree-width", "3", "--tree-depth", "6", "--tree-branching", "4,1"])
+    assert tree_overrides(args) == {"method": "dynamic", "branching": [4, 1], "width": 3, "max_depth": 6}
+    assert config_from_dict({"coordinator": {"tree": tree_overrides(args)}}).coordinator.tree.width == 3
+    assert main(["generate", "hi", "--tree-width", "3"]) == 2  # a shape flag without --tree
