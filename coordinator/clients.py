@@ -33,7 +33,8 @@ class ServiceCall:
 
 
 class ServicePair:
-    def __init__(self, drafter_address: str, verifier_address: str, timeout_s: float = 120.0):
+    def __init__(self, drafter_address: str, verifier_address: str, timeout_s: float = 120.0, proxies: list | None = None):
+        self.proxies = proxies or []  # emulated links in front of the services, closed with the pair
         self.drafter = MeasuredClient(drafter_address, DRAFTER_SERVICE)
         self.verifier = MeasuredClient(verifier_address, VERIFIER_SERVICE)
         self.timeout_s = timeout_s
@@ -48,6 +49,8 @@ class ServicePair:
     def close(self) -> None:
         self.drafter.close()
         self.verifier.close()
+        for proxy in self.proxies:
+            proxy.close()
 
 
 class PairSession:
@@ -63,23 +66,30 @@ class PairSession:
         self._verifier_round = 0
         self._verifier_open = False
 
-    def draft(self, num_tokens: int, shape: TreeShape) -> tuple[drafter_pb2.DraftResponse, ServiceCall]:
+    def draft(
+        self, num_tokens: int, shape: TreeShape, assumed: list[int] = (), context_length: int | None = None
+    ) -> tuple[drafter_pb2.DraftResponse, ServiceCall]:
+        """A draft after the committed context, or (overlapped drafting) after its first
+        `context_length` tokens plus `assumed` ones, while a verify call is in flight."""
+        context = self.context[:context_length]
+
         def request(reopen: bool) -> drafter_pb2.DraftRequest:
             message = drafter_pb2.DraftRequest(
                 session_id=self.session_id,
-                committed_length=len(self.context),
+                committed_length=len(context),
                 num_draft_tokens=num_tokens,
                 tree_shape=shape_to_proto(shape),
+                assumed_token_ids=assumed,
             )
             if reopen:
-                message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=self.context, sampling=self.sampling))
+                message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=context, sampling=self.sampling))
                 message.verifier_tokenizer_fingerprint = self.pair.verifier_info.tokenizer_fingerprint
             else:
-                message.new_token_ids.extend(self.context[self._drafter_seen :])
+                message.new_token_ids.extend(context[self._drafter_seen :])
             return message
 
         reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None)
-        self._drafter_seen = len(self.context)
+        self._drafter_seen = len(context)
         return reply, call
 
     def verify(self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0) -> tuple[verifier_pb2.VerifyResponse, ServiceCall]:

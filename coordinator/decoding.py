@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from coordinator.budget import BudgetController, Plan, RoundReport
 from coordinator.clients import PairSession
 from specdec.tree import TreeShape
-from specdec.v1 import coordinator_pb2
+from specdec.wire import tree_from_proto
+from specdec.v1 import common_pb2, coordinator_pb2
 
 
 @dataclass
@@ -20,30 +24,40 @@ class Meter:
     drafted: int = 0
     draft_compute_ms: float = 0.0
     verify_compute_ms: float = 0.0
-    overhead_ms: float = 0.0
+    draft_wire_ms: float = 0.0
+    verify_wire_ms: float = 0.0
     serialization_ms: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    budget_total: int = 0
+    overlap_hits: int = 0
+    plan_rounds: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)
 
     def add_call(self, call, is_draft: bool) -> None:
         if is_draft:
             self.draft_compute_ms += call.compute_ms
+            self.draft_wire_ms += call.overhead_ms
         else:
             self.verify_compute_ms += call.compute_ms
-        self.overhead_ms += call.overhead_ms
+            self.verify_wire_ms += call.overhead_ms
         self.serialization_ms += call.cost.serialize_ms + call.cost.deserialize_ms
         self.bytes_sent += call.cost.bytes_sent
         self.bytes_received += call.cost.bytes_received
 
-    def stats(self, budget: int, tree_method: str, generated: int) -> coordinator_pb2.RoundStats:
+    def add_plan(self, plan: Plan) -> None:
+        self.rounds += 1
+        self.plan_rounds[plan.label] += 1
+        self.budget_total += plan.budget
+
+    def stats(self, policy: str, overlap: bool, budget: int, tree_method: str, generated: int) -> coordinator_pb2.RoundStats:
         total_ms = (time.perf_counter() - self.started) * 1e3
         return coordinator_pb2.RoundStats(
             rounds=self.rounds,
             mean_accepted_per_round=self.accepted / self.speculative_rounds if self.speculative_rounds else 0.0,
             draft_compute_ms=self.draft_compute_ms,
             verify_compute_ms=self.verify_compute_ms,
-            wire_serialization_ms=self.overhead_ms,
+            wire_serialization_ms=self.draft_wire_ms + self.verify_wire_ms,
             serialization_ms=self.serialization_ms,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
@@ -55,29 +69,95 @@ class Meter:
             drafted_tokens=self.drafted,
             tree_method=tree_method if budget else "",
             bytes_per_round=(self.bytes_sent + self.bytes_received) / self.rounds if self.rounds else 0.0,
+            draft_wire_ms=self.draft_wire_ms,
+            verify_wire_ms=self.verify_wire_ms,
+            policy=policy,
+            mean_budget=self.budget_total / self.rounds if self.rounds else 0.0,
+            plan_rounds=dict(self.plan_rounds),
+            overlap=overlap,
+            overlap_hits=self.overlap_hits,
         )
 
 
+class FixedPolicy:
+    """The same plan every round."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    def choose(self) -> Plan:
+        return self.plan
+
+    def observe(self, report: RoundReport) -> None:
+        pass
+
+
 def decode_rounds(
-    session: PairSession, budget: int, shape: TreeShape, fused_block: int, max_new_tokens: int, meter: Meter
+    session: PairSession,
+    policy: FixedPolicy | BudgetController,
+    shape: TreeShape,
+    fused_block: int,
+    max_new_tokens: int,
+    meter: Meter,
+    overlap: ThreadPoolExecutor | None = None,
 ) -> Iterator[list[int]]:
     """Yields each round's newly committed tokens (accepted drafts, then the verifier's own
     token) until max_new_tokens are out; the caller stops early on EOS or a stop string.
-    budget = draft tree nodes per round, spent as `shape` says; 0 = verifier alone."""
-    generated = 0
+    The policy picks each round's plan: draft tree nodes and method (shaped by `shape`), or
+    budget 0 for the verifier alone; it hears back what the round cost. With `overlap`
+    (a thread pool for the verify calls), the drafter drafts the next round while the
+    verifier checks this one, assuming the tree's likeliest path is accepted; when it was,
+    the next round starts without waiting for the drafter."""
+    generated, ahead = 0, None  # ahead: an overlapped draft, with the plan it was made for
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
-        depth = min(shape.max_depth or budget, remaining - 1)  # the verifier always adds one token
-        if budget > 0 and depth > 0:
-            draft, draft_call = session.draft(budget, replace(shape, max_depth=depth))
-            meter.add_call(draft_call, is_draft=True)
-            verdict, verify_call = session.verify(draft.tree)
+        plan = policy.choose()
+        depth = min(shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
+        if plan.budget == 0 or depth <= 0:
+            plan, ahead = Plan(0), None
+            verdict, verify_call = session.verify(None, fused_tokens=min(fused_block, remaining))
+            report = RoundReport(plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms)
+        else:
+            round_shape = replace(shape, method=plan.method, max_depth=depth)
+            if ahead is not None:  # its guess came true: this round's draft is ready
+                draft, draft_call, plan = ahead
+                exposed_draft_ms = exposed_wire_ms = 0.0
+                meter.overlap_hits += 1
+            else:
+                draft, draft_call = session.draft(plan.budget, round_shape)
+                meter.add_call(draft_call, is_draft=True)
+                exposed_draft_ms, exposed_wire_ms = draft_call.compute_ms, draft_call.overhead_ms
+            if overlap is None:
+                verdict, verify_call = session.verify(draft.tree)
+            else:
+                context_length = len(session.context)
+                verifying = overlap.submit(session.verify, draft.tree)
+                next_draft, next_call = session.draft(plan.budget, round_shape, likeliest_path(draft.tree), context_length)
+                meter.add_call(next_call, is_draft=True)
+                verdict, verify_call = verifying.result()
+                hit = list(next_draft.assumed_token_ids) == list(verdict.token_ids)
+                ahead = (next_draft, next_call, plan) if hit else None
+            nodes = len(draft.tree.token_ids)
+            report = RoundReport(
+                plan, verdict.num_accepted_draft_tokens, max(tree_from_proto(draft.tree).depths(), default=0), 1 + nodes,
+                exposed_draft_ms, verify_call.compute_ms, exposed_wire_ms, verify_call.overhead_ms,
+            )
             meter.speculative_rounds += 1
             meter.accepted += verdict.num_accepted_draft_tokens
-            meter.drafted += len(draft.tree.token_ids)
-        else:
-            verdict, verify_call = session.verify(None, fused_tokens=min(fused_block, remaining))
+            meter.drafted += nodes
+        policy.observe(report)
         meter.add_call(verify_call, is_draft=False)
-        meter.rounds += 1
+        meter.add_plan(plan)
         generated += len(verdict.token_ids)
         yield list(verdict.token_ids)
+
+
+def likeliest_path(tree: common_pb2.DraftTree) -> list[int]:
+    """The drafter's own first choice at every depth: each node's first child."""
+    path, node = [], -1
+    while True:
+        child = next((i for i, p in enumerate(tree.parent) if p == node), None)
+        if child is None:
+            return path
+        path.append(tree.token_ids[child])
+        node = child

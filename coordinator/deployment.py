@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from coordinator.metrics import RequestMetrics
 from coordinator.server import start
 from specdec.config import config_from_dict
 from specdec.replica import GrpcReplica
@@ -20,5 +21,5 @@ class CoordinatorDeployment(GrpcReplica):
         # refused; ask from a worker thread instead.
         with ThreadPoolExecutor(max_workers=2) as pool:
             drafter_address, verifier_address = pool.map(lambda h: h.address.remote().result(), (drafter, verifier))
-        server, port, self.coordinator = start(parsed, drafter_address, verifier_address)
+        server, port, self.coordinator = start(parsed, drafter_address, verifier_address, RequestMetrics().record)
         self._serving(server, port)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
+from coordinator.budget import BudgetController, Plan
 from coordinator.clients import PairSession, ServicePair
-from coordinator.decoding import Meter, decode_rounds
+from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
 from specdec.config import CoordinatorConfig
+from specdec.latency_proxy import LatencyProxy
 from specdec.models import load_tokenizer
 from specdec.rpc import invalid, reports_errors, start_server
 from specdec.sampling import validate_sampling
@@ -23,14 +26,26 @@ log = logging.getLogger(__name__)
 class Coordinator:
     """Runs requests over a drafter/verifier pair."""
 
-    def __init__(self, config: CoordinatorConfig, pair: ServicePair, tokenizer_source: str):
+    def __init__(self, config: CoordinatorConfig, pair: ServicePair, tokenizer_source: str, on_finished=None):
         self.config = config
+        self.on_finished = on_finished  # called with each finished request's RoundStats (metrics)
         self.pair = pair
         self.tokenizer = load_tokenizer(tokenizer_source)
         info = pair.verifier_info
         self.eos_ids = set(info.eos_token_ids)
         self.vocab_size = info.vocab_size
         self.max_context = info.max_context
+        adaptive = config.adaptive
+        plans = [Plan(0)] + [Plan(b) for b in adaptive.chain_budgets] + [Plan(b, adaptive.tree_method) for b in adaptive.tree_budgets]
+        # Greedy and sampled decoding accept differently, and overlap hides the drafter's
+        # cost: one cost model for each combination.
+        self.controllers = {
+            (greedy, overlap): BudgetController(plans, config.fused_block_tokens, revisit_every=adaptive.revisit_every)
+            for greedy in (True, False)
+            for overlap in (True, False)
+        }
+        self.verify_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="verify")
+        self.largest_budget = max(p.budget for p in plans)
 
     def prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
         if request.prompt and request.prompt_token_ids:
@@ -57,8 +72,8 @@ class Coordinator:
             raise invalid(f"the prompt has {len(ids)} tokens; the verifier's context is {self.max_context}")
         return list(ids)
 
-    def check_request(self, request: coordinator_pb2.GenerateRequest) -> tuple[int, int, TreeShape]:
-        """Validates the generation parameters; returns (max_new_tokens, budget, tree shape)."""
+    def check_request(self, request: coordinator_pb2.GenerateRequest) -> tuple[int, int, TreeShape, bool, bool]:
+        """Validates the generation parameters; returns (max_new_tokens, budget, tree shape, adaptive, overlap)."""
         cap = self.config.max_new_tokens_cap
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else self.config.default_max_new_tokens
         if not 1 <= max_new <= cap:
@@ -78,13 +93,15 @@ class Coordinator:
             shape.validate()
         except ValueError as err:
             raise invalid(str(err)) from None
-        return max_new, budget, shape
+        adaptive = request.adaptive if request.HasField("adaptive") else self.config.adaptive.enabled
+        overlap = request.overlap if request.HasField("overlap") else self.config.overlap
+        return max_new, budget, shape, adaptive, overlap
 
     def generate(self, request: coordinator_pb2.GenerateRequest) -> Iterator[coordinator_pb2.GenerateResponse]:
         """One response per round with the new tokens and text; the last has finish_reason and stats."""
-        max_new, budget, shape = self.check_request(request)
+        max_new, budget, shape, adaptive, overlap = self.check_request(request)
         prompt = self.prompt_ids(request)
-        max_new = min(max_new, self.max_context - len(prompt) - budget - 1)
+        max_new = min(max_new, self.max_context - len(prompt) - max(budget, self.largest_budget if adaptive else 0) - 1)
         sampling = common_pb2.SamplingParams(
             temperature=request.temperature,
             top_p=request.top_p if request.HasField("top_p") else 1.0,
@@ -95,7 +112,9 @@ class Coordinator:
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
         meter = Meter()
         try:
-            for committed in decode_rounds(session, budget, shape, self.config.fused_block_tokens, max_new, meter):
+            policy = self.controllers[request.temperature == 0, overlap] if adaptive else FixedPolicy(Plan(budget, shape.method))
+            pool = self.verify_pool if overlap else None
+            for committed in decode_rounds(session, policy, shape, self.config.fused_block_tokens, max_new, meter, pool):
                 output.add(committed)
                 if output.finish_reason:
                     break
@@ -105,9 +124,10 @@ class Coordinator:
         finally:
             session.close()
         tokens, text = output.take_delta()
-        yield coordinator_pb2.GenerateResponse(
-            text=text, token_ids=tokens, finish_reason=output.finish_reason, stats=meter.stats(budget, shape.method, len(output.token_ids))
-        )
+        stats = meter.stats("adaptive" if adaptive else "fixed", overlap, budget, shape.method, len(output.token_ids))
+        if self.on_finished is not None:
+            self.on_finished(stats)
+        yield coordinator_pb2.GenerateResponse(text=text, token_ids=tokens, finish_reason=output.finish_reason, stats=stats)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -142,10 +162,21 @@ def serve(coordinator: Coordinator, host: str, port: int):
     return server, bound
 
 
-def start(config, drafter_address: str, verifier_address: str):
+def start(config, drafter_address: str, verifier_address: str, on_finished=None):
     """Connects to both services, checks the pair, and starts the client API; returns
     (grpc server, bound port, coordinator)."""
-    pair = ServicePair(drafter_address, verifier_address, config.coordinator.request_timeout_s)
-    coordinator = Coordinator(config.coordinator, pair, config.verifier.model.source)
+    network, proxies = config.coordinator.network, []
+    drafter_address = _through_link(drafter_address, network.drafter, proxies)
+    verifier_address = _through_link(verifier_address, network.verifier, proxies)
+    pair = ServicePair(drafter_address, verifier_address, config.coordinator.request_timeout_s, proxies)
+    coordinator = Coordinator(config.coordinator, pair, config.verifier.model.source, on_finished)
     server, port = serve(coordinator, config.coordinator.host, config.coordinator.port)
     return server, port, coordinator
+
+
+def _through_link(address: str, link, proxies: list) -> str:
+    """The address to dial: the service itself, or an emulated link in front of it."""
+    if not link.active:
+        return address
+    proxies.append(LatencyProxy(address, link))
+    return proxies[-1].address

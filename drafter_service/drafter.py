@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.kv_cache import keep_positions
+from specdec.kv_cache import keep_positions, truncate
 from specdec.models import ModelSpec, check_tree_attention, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.rpc import ServiceError, invalid
 from specdec.sampling import Sampling, warp_probs
@@ -68,17 +68,29 @@ class DrafterEngine:
         return session
 
     def draft(
-        self, session_id: str, session: DrafterSession, new_tokens: list[int], committed_length: int, num_tokens: int, shape: TreeShape
-    ) -> tuple[DraftTree, float]:
+        self,
+        session_id: str,
+        session: DrafterSession,
+        new_tokens: list[int],
+        committed_length: int,
+        num_tokens: int,
+        shape: TreeShape,
+        assumed: list[int] = (),
+    ) -> tuple[DraftTree, list[int], float]:
+        """Commits new_tokens and drafts a tree of at most num_tokens nodes after the context.
+        With `assumed` tokens (overlapped drafting) the tree is drafted after the context plus
+        those tokens plus the drafter's own pick of the next one, all uncommitted; returns
+        the tree, what it assumed, and the compute time in ms."""
         if not 1 <= num_tokens <= self.max_draft_tokens:
             raise invalid(f"num_draft_tokens must be in [1, {self.max_draft_tokens}], got {num_tokens}")
         try:
             shape.validate()
         except ValueError as err:
             raise invalid(f"tree_shape: {err}") from None
-        bad = [t for t in new_tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise invalid(f"new_token_ids has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        for name, ids in (("new_token_ids", new_tokens), ("assumed_token_ids", assumed)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise invalid(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         with session.lock:
             if len(session.tokens) + len(new_tokens) != committed_length:
                 self.sessions.pop(session_id)
@@ -87,13 +99,16 @@ class DrafterEngine:
                     f"session '{session_id}' is out of sync: it holds {len(session.tokens)} tokens, "
                     f"{len(new_tokens)} new ones do not make committed_length {committed_length}; re-open it",
                 )
-            if committed_length + num_tokens > self.max_context:
+            if committed_length + len(assumed) + 1 + num_tokens > self.max_context:
                 raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, f"drafting would exceed the model's context of {self.max_context}")
             session.tokens.extend(new_tokens)
             start = time.perf_counter()
+            context = session.tokens + list(assumed)
             with self._model_lock, torch.inference_mode():
-                tree = self._draft_tree(session, shape, num_tokens)
-            return tree, (time.perf_counter() - start) * 1e3
+                if assumed:
+                    context.append(self._pick_next(session, context))
+                tree = self._draft_tree(session, context, shape, num_tokens)
+            return tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3
 
     def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **kwargs) -> torch.Tensor:
         out = self.model(
@@ -105,14 +120,20 @@ class DrafterEngine:
         )
         return out.logits[0, :, : self.vocab_size].float()
 
-    def _reuse_cache(self, session: DrafterSession) -> list[int]:
-        """Keeps the committed prefix and the last draft's cached nodes along the path the
-        verifier accepted; returns the context tokens still to feed (at least the last)."""
-        if len(session.cached_tokens) == len(session.tokens):  # drafting again without a commit
-            session.cached_tokens.pop()
-            session.fed_nodes = []
+    def _reuse_cache(self, session: DrafterSession, context: list[int]) -> list[int]:
+        """Keeps the cached tokens that still match `context` and the last draft's cached
+        nodes along the path that was committed; returns the context tokens still to feed
+        (at least the last one)."""
+        keep = 0
+        limit = min(len(session.cached_tokens), len(context) - 1)
+        while keep < limit and session.cached_tokens[keep] == context[keep]:
+            keep += 1
+        if keep < len(session.cached_tokens):  # a wrong assumption, or drafting again without a commit
+            truncate(session.cache, keep)
+            del session.cached_tokens[keep:]
+            session.last_draft, session.fed_nodes = DraftTree(), []
         prefix = len(session.cached_tokens)
-        new = session.tokens[prefix:]
+        new = context[prefix:]
         tree, positions = session.last_draft, {n: i for i, n in enumerate(session.fed_nodes)}
         kept, node = [], ROOT
         for token in new[:-1]:
@@ -124,8 +145,16 @@ class DrafterEngine:
         session.cached_tokens.extend(new[: len(kept)])
         return new[len(kept) :]
 
-    def _draft_tree(self, session: DrafterSession, shape: TreeShape, budget: int) -> DraftTree:
-        pending = self._reuse_cache(session)
+    def _pick_next(self, session: DrafterSession, context: list[int]) -> int:
+        """The drafter's guess of the token after `context`: its likeliest one."""
+        pending = self._reuse_cache(session, context)
+        logits = self._forward(session, pending)[-1]
+        session.cached_tokens.extend(pending)
+        session.last_draft, session.fed_nodes = DraftTree(), []
+        return int(logits.argmax())
+
+    def _draft_tree(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
+        pending = self._reuse_cache(session, context)
         root_logits = self._forward(session, pending)[-1]
         session.cached_tokens.extend(pending)
         session.last_draft, session.fed_nodes = DraftTree(), []

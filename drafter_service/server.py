@@ -36,11 +36,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         else:
             session = self.engine.sessions.get(request.session_id)
         shape = shape_from_proto(request.tree_shape)
-        tree, compute_ms = self.engine.draft(
-            request.session_id, session, list(request.new_token_ids), request.committed_length, request.num_draft_tokens, shape
+        tree, assumed, compute_ms = self.engine.draft(
+            request.session_id,
+            session,
+            list(request.new_token_ids),
+            request.committed_length,
+            request.num_draft_tokens,
+            shape,
+            list(request.assumed_token_ids),
         )
         return drafter_pb2.DraftResponse(
-            tree=tree_to_proto(tree), compute_ms=compute_ms, handler_ms=(time.perf_counter() - start) * 1e3
+            tree=tree_to_proto(tree), assumed_token_ids=assumed, compute_ms=compute_ms, handler_ms=(time.perf_counter() - start) * 1e3
         )
 
     @reports_errors

@@ -41,6 +41,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50061, help="client port of the stack the bench starts")
     parser.add_argument("--address", help="benchmark an already running stack at host:port instead")
     parser.add_argument("--out", default="bench_results/bench.json", help="JSON output; the plot goes beside it")
+    network = parser.add_argument_group("network sweep (instead of the method comparison)")
+    network.add_argument("--rtt-sweep", help="comma-separated round-trip times in ms to inject on both service links, e.g. 0,5,20,50,100")
+    network.add_argument("--sweep-chains", default="1,2,4,8", help="fixed chain budgets of the sweep (also the adaptive candidates)")
+    network.add_argument("--sweep-trees", default="16,32", help="fixed tree budgets of the sweep (also the adaptive candidates)")
+    network.add_argument("--jitter-ms", type=float, default=0.0, help="standard deviation of each direction's delay")
+    network.add_argument("--bandwidth-mbps", type=float, default=0.0, help="bandwidth cap per direction; 0 = none")
 
 
 @dataclass
@@ -91,14 +97,31 @@ def run_bench(args) -> int:
         raise SystemExit(f"no held-out prompts in {args.prompts} for categories={args.categories}")
     app_args = {"coordinator": {"port": args.port}, **({"config_file": args.config} if args.config else {})}
     config = build_config(app_args)
-    address = args.address or start_stack(app_args, args.port)
-    client = CoordinatorClient(address)
     tokenizer = load_tokenizer(config.verifier.model.source)
-    verifier, drafter = load_model(config.verifier.model), load_model(config.drafter.model)
     chat_ids = [
         tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, return_dict=False)
         for p in prompts
     ]
+    if args.rtt_sweep:
+        from specdec.bench_network import format_sweep, run_rtt_sweep, write_sweep
+
+        report = run_rtt_sweep(args, config, chat_ids, app_args)
+        report["config"] = {
+            "verifier": config.verifier.model.__dict__,
+            "drafter": config.drafter.model.__dict__,
+            "question_ids": [p["question_id"] for p in prompts],
+            "max_new_tokens": args.max_new_tokens,
+            "jitter_ms": args.jitter_ms,
+            "bandwidth_mbps": args.bandwidth_mbps,
+            "torch_threads": torch.get_num_threads(),
+        }
+        written = write_sweep(report, Path(args.out))
+        print(format_sweep(report))
+        print("wrote " + ", ".join(map(str, written)))
+        return 0
+    address = args.address or start_stack(app_args, args.port)
+    client = CoordinatorClient(address)
+    verifier, drafter = load_model(config.verifier.model), load_model(config.drafter.model)
 
     def through_services(budget: int, temperature: float, shape: TreeShape | None = None) -> Tally:
         tally = Tally()

@@ -39,7 +39,16 @@ def _app_args(args) -> dict:
         app_args["coordinator"]["num_draft_tokens"] = args.num_draft_tokens
     if tree_overrides(args):
         app_args["coordinator"]["tree"] = tree_overrides(args)
+    if args.adaptive is not None:
+        app_args["coordinator"]["adaptive"] = {"enabled": args.adaptive}
+    if args.overlap is not None:
+        app_args["coordinator"]["overlap"] = args.overlap
     return app_args
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="the cost model picks each round's budget")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, help="draft the next round while this one is verified")
 
 
 def cmd_serve(args) -> int:
@@ -103,6 +112,8 @@ def cmd_generate(args) -> int:
             stop=args.stop or None,
             num_draft_tokens=args.num_draft_tokens,
             tree=tree,
+            adaptive=args.adaptive,
+            overlap=args.overlap,
         )
     except grpc.RpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--demo", nargs="?", const=DEFAULT_PROMPT, help="once serving, stream one answer to this prompt")
     serve.add_argument("--num-draft-tokens", type=int, help="default draft tree nodes per round (0 = verifier only)")
     add_tree_arguments(serve)
+    add_policy_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running server and print round statistics")
@@ -153,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--num-draft-tokens", type=int, help="draft tree nodes per round; 0 = verifier only")
     add_tree_arguments(gen)
+    add_policy_arguments(gen)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=cmd_generate)
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
+from specdec.latency_proxy import LinkSettings
 from specdec.models import BUILTIN_DRAFTER, BUILTIN_SMOLLM2, ModelSpec
-from specdec.tree import TreeShape
+from specdec.tree import TREE_METHODS, TreeShape
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,26 @@ class VerifierConfig(ServiceConfig):
 
 
 @dataclass
+class NetworkConfig:
+    """Emulated links between the coordinator and each service (latency_proxy.py); all
+    zero = direct connections."""
+
+    drafter: LinkSettings = field(default_factory=LinkSettings)
+    verifier: LinkSettings = field(default_factory=LinkSettings)
+
+
+@dataclass
+class AdaptiveConfig:
+    """The cost-model budget controller (coordinator/budget.py)."""
+
+    enabled: bool = False  # the default for requests that do not say
+    chain_budgets: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    tree_budgets: list[int] = field(default_factory=lambda: [16, 32])
+    tree_method: str = "rsd-s"  # shaped by coordinator.tree's branching/width
+    revisit_every: int = 64  # every this many rounds, the plan measured longest ago is tried again
+
+
+@dataclass
 class CoordinatorConfig:
     host: str = "0.0.0.0"
     port: int = 50051
@@ -54,6 +75,9 @@ class CoordinatorConfig:
     # coordinator asks the deployments.
     drafter_address: str | None = None
     verifier_address: str | None = None
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    overlap: bool = False  # draft the next round while the verifier checks this one (PEARL)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
 
 
@@ -74,6 +98,12 @@ class Config:
             ),
             (0 <= self.coordinator.port < 65536, "coordinator.port must be in [0, 65535]"),
             (self.drafter.proposal_top_k >= 1, "drafter.proposal_top_k must be >= 1"),
+            (
+                all(1 <= b <= 64 for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets),
+                "coordinator.adaptive budgets must be in [1, 64]",
+            ),
+            (self.coordinator.adaptive.tree_method in TREE_METHODS, f"coordinator.adaptive.tree_method must be one of {', '.join(TREE_METHODS)}"),
+            (self.coordinator.adaptive.revisit_every >= 2, "coordinator.adaptive.revisit_every must be >= 2"),
         ]
         for name in ("drafter", "verifier"):
             service = getattr(self, name)
@@ -90,6 +120,11 @@ class Config:
             self.coordinator.tree.validate()
         except ValueError as err:
             raise ConfigError(f"coordinator.{err}") from None
+        for link in ("drafter", "verifier"):
+            try:
+                getattr(self.coordinator.network, link).validate()
+            except ValueError as err:
+                raise ConfigError(f"coordinator.network.{link}.{err}") from None
 
 
 def build_dataclass(cls, data: Any, path: str):

@@ -17,14 +17,23 @@ def start_stack(app_args: dict, port: int, ray_address: str | None = None, timeo
     import ray
     from ray import serve
 
-    from specdec.app import build_app
-
     if not ray.is_initialized():
         if ray_address:
             ray.init(address=ray_address)
         else:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="Disabled")
+    return deploy(app_args, port, timeout_s)
+
+
+def deploy(app_args: dict, port: int, timeout_s: float = 900.0) -> str:
+    """(Re)deploys the application on the running Serve instance; returns its client address
+    once it reports SERVING. A redeploy with other settings must use another port: the old
+    coordinator may still hold its own while the new one starts."""
+    from ray import serve
+
+    from specdec.app import build_app
+
     serve.run(build_app(app_args), name=APP_NAME, route_prefix=None, blocking=False)
     address = f"localhost:{port}"
     wait_until_serving(address, timeout_s)

@@ -21,6 +21,13 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def tiny_verifier(tiny_dirs):
+    from specdec.models import ModelSpec, load_model
+
+    return load_model(ModelSpec(str(tiny_dirs["verifier"])))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from specdec.client import CoordinatorClient, generate_request
-from specdec.models import ModelSpec, load_model
 from specdec.rpc import MeasuredClient
 from specdec.v1 import common_pb2, verifier_pb2
 from specdec.wire import VERIFIER_SERVICE
@@ -26,11 +25,6 @@ def client(tiny_stack):
     c.close()
 
 
-@pytest.fixture(scope="module")
-def verifier_model(tiny_dirs):
-    return load_model(ModelSpec(str(tiny_dirs["verifier"])))
-
-
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
@@ -39,21 +33,21 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 6])
-def test_greedy_is_token_identical_to_generate(client, tiny_stack, verifier_model, budget):
+def test_greedy_is_token_identical_to_generate(client, tiny_stack, tiny_verifier, budget):
     tokenizer = tiny_stack["coordinator_obj"].tokenizer
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
         response = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=40, num_draft_tokens=budget))
-        assert list(response.token_ids) == hf_greedy(verifier_model, ids, 40), prompt
+        assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40), prompt
         assert response.finish_reason in ("stop", "length")
         assert response.stats.speculation_budget == budget
 
 
-def test_text_prompt_chat_template_and_stats(client, tiny_stack, verifier_model):
+def test_text_prompt_chat_template_and_stats(client, tiny_stack, tiny_verifier):
     tokenizer = tiny_stack["coordinator_obj"].tokenizer
     response = client.generate(generate_request("w5 w6", use_chat_template=True, max_new_tokens=30))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}], add_generation_prompt=True, return_dict=False)
-    assert list(response.token_ids) == hf_greedy(verifier_model, ids, 30)
+    assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 30)
     assert response.text == tokenizer.decode(response.token_ids, skip_special_tokens=True)
     stats = response.stats
     assert stats.rounds >= 1 and stats.generated_tokens == len(response.token_ids)
@@ -93,26 +87,26 @@ def test_max_new_tokens(client):
     assert response.finish_reason == ("stop" if 2 in response.token_ids else "length")
 
 
-def test_concurrent_requests_do_not_cross_talk(client, tiny_stack, verifier_model):
+def test_concurrent_requests_do_not_cross_talk(client, tiny_stack, tiny_verifier):
     tokenizer = tiny_stack["coordinator_obj"].tokenizer
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS] * 2
     with ThreadPoolExecutor(max_workers=8) as pool:
         answers = list(pool.map(lambda ids: client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=30)), prompts))
     for ids, answer in zip(prompts, answers):
-        assert list(answer.token_ids) == hf_greedy(verifier_model, ids, 30)
+        assert list(answer.token_ids) == hf_greedy(tiny_verifier, ids, 30)
 
 
 def sampled_first_two_tokens(
-    stack, verifier_model, draws: int, temperature: float = 0.9, prompt=(1, 5, 9), max_new_tokens: int = 2, **request
+    stack, tiny_verifier, draws: int, temperature: float = 0.9, prompt=(1, 5, 9), max_new_tokens: int = 2, **request
 ) -> None:
     """Many samples through the real services, checked against the verifier's exact joint
     distribution of the first two tokens (chi-square). `request` adds GenerateRequest fields."""
     prompt = list(prompt)
     with torch.inference_mode():
-        first = torch.softmax(verifier_model(torch.tensor([prompt])).logits[0, -1] / temperature, -1).double()
+        first = torch.softmax(tiny_verifier(torch.tensor([prompt])).logits[0, -1] / temperature, -1).double()
         vocab = first.shape[0]
         batch = torch.tensor([prompt + [t] for t in range(vocab)])
-        second = torch.softmax(verifier_model(batch).logits[:, -1] / temperature, -1).double()
+        second = torch.softmax(tiny_verifier(batch).logits[:, -1] / temperature, -1).double()
     exact = first[:, None] * second
     counts = torch.zeros(vocab, vocab)
     client = CoordinatorClient(stack["coordinator"])
@@ -131,12 +125,12 @@ def sampled_first_two_tokens(
     assert_matches_distribution(counts, exact)
 
 
-def test_sampling_follows_the_verifier_distribution(tiny_dirs, verifier_model):
+def test_sampling_follows_the_verifier_distribution(tiny_dirs, tiny_verifier):
     with local_stack(tiny_config(tiny_dirs, num_draft_tokens=2)) as stack:
-        sampled_first_two_tokens(stack, verifier_model, draws=2500)
+        sampled_first_two_tokens(stack, tiny_verifier, draws=2500)
 
 
-def test_lost_session_is_reopened_with_full_context(tiny_dirs, verifier_model):
+def test_lost_session_is_reopened_with_full_context(tiny_dirs, tiny_verifier):
     """A verifier that forgets sessions (max_sessions=1 under concurrent load) answers
     NOT_FOUND; the coordinator re-sends the context and the output stays exact."""
     config = tiny_config(tiny_dirs)
@@ -149,7 +143,7 @@ def test_lost_session_is_reopened_with_full_context(tiny_dirs, verifier_model):
             answers = list(pool.map(lambda ids: client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=30)), prompts))
         client.close()
     for ids, answer in zip(prompts, answers):
-        assert list(answer.token_ids) == hf_greedy(verifier_model, ids, 30)
+        assert list(answer.token_ids) == hf_greedy(tiny_verifier, ids, 30)
 
 
 def test_retried_round_commits_once(tiny_stack):

@@ -273,11 +273,6 @@ def tree_stack(tiny_dirs):
         stack["client"].close()
 
 
-@pytest.fixture(scope="module")
-def tiny_verifier(tiny_dirs):
-    return load_model(ModelSpec(str(tiny_dirs["verifier"])))
-
-
 @pytest.mark.parametrize("method", TREE_METHODS)
 @pytest.mark.parametrize("budget", [8, 16])
 def test_greedy_trees_are_token_identical_to_generate(tree_stack, tiny_verifier, method, budget):

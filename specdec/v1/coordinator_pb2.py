@@ -25,19 +25,23 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xbd\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11use_chat_template\x18\x03 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12#\n\x04tree\x18\x0b \x01(\x0b\x32\x15.specdec.v1.TreeShapeB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x13\n\x11_num_draft_tokens\"\x9f\x03\n\nRoundStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1f\n\x17mean_accepted_per_round\x18\x02 \x01(\x01\x12\x18\n\x10\x64raft_compute_ms\x18\x03 \x01(\x01\x12\x19\n\x11verify_compute_ms\x18\x04 \x01(\x01\x12\x1d\n\x15wire_serialization_ms\x18\x05 \x01(\x01\x12\x18\n\x10serialization_ms\x18\x06 \x01(\x01\x12\x12\n\nbytes_sent\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x08 \x01(\x04\x12\x1a\n\x12speculation_budget\x18\t \x01(\x05\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x18\n\x10generated_tokens\x18\x0b \x01(\r\x12\x19\n\x11tokens_per_second\x18\x0c \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\r \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x0e \x01(\r\x12\x13\n\x0btree_method\x18\x0f \x01(\t\x12\x17\n\x0f\x62ytes_per_round\x18\x10 \x01(\x01\"q\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.specdec.v1.RoundStats2\xa3\x01\n\x0b\x43oordinator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x83\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11use_chat_template\x18\x03 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12#\n\x04tree\x18\x0b \x01(\x0b\x32\x15.specdec.v1.TreeShape\x12\x15\n\x08\x61\x64\x61ptive\x18\x0c \x01(\x08H\x03\x88\x01\x01\x12\x14\n\x07overlap\x18\r \x01(\x08H\x04\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x13\n\x11_num_draft_tokensB\x0b\n\t_adaptiveB\n\n\x08_overlap\"\x8a\x05\n\nRoundStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1f\n\x17mean_accepted_per_round\x18\x02 \x01(\x01\x12\x18\n\x10\x64raft_compute_ms\x18\x03 \x01(\x01\x12\x19\n\x11verify_compute_ms\x18\x04 \x01(\x01\x12\x1d\n\x15wire_serialization_ms\x18\x05 \x01(\x01\x12\x18\n\x10serialization_ms\x18\x06 \x01(\x01\x12\x12\n\nbytes_sent\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x08 \x01(\x04\x12\x1a\n\x12speculation_budget\x18\t \x01(\x05\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x18\n\x10generated_tokens\x18\x0b \x01(\r\x12\x19\n\x11tokens_per_second\x18\x0c \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\r \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x0e \x01(\r\x12\x13\n\x0btree_method\x18\x0f \x01(\t\x12\x17\n\x0f\x62ytes_per_round\x18\x10 \x01(\x01\x12\x15\n\rdraft_wire_ms\x18\x11 \x01(\x01\x12\x16\n\x0everify_wire_ms\x18\x12 \x01(\x01\x12\x0e\n\x06policy\x18\x13 \x01(\t\x12\x13\n\x0bmean_budget\x18\x14 \x01(\x01\x12;\n\x0bplan_rounds\x18\x15 \x03(\x0b\x32&.specdec.v1.RoundStats.PlanRoundsEntry\x12\x0f\n\x07overlap\x18\x16 \x01(\x08\x12\x14\n\x0coverlap_hits\x18\x17 \x01(\r\x1a\x31\n\x0fPlanRoundsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"q\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.specdec.v1.RoundStats2\xa3\x01\n\x0b\x43oordinator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ROUNDSTATS_PLANROUNDSENTRY']._loaded_options = None
+  _globals['_ROUNDSTATS_PLANROUNDSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=70
-  _globals['_GENERATEREQUEST']._serialized_end=387
-  _globals['_ROUNDSTATS']._serialized_start=390
-  _globals['_ROUNDSTATS']._serialized_end=805
-  _globals['_GENERATERESPONSE']._serialized_start=807
-  _globals['_GENERATERESPONSE']._serialized_end=920
-  _globals['_COORDINATOR']._serialized_start=923
-  _globals['_COORDINATOR']._serialized_end=1086
+  _globals['_GENERATEREQUEST']._serialized_end=457
+  _globals['_ROUNDSTATS']._serialized_start=460
+  _globals['_ROUNDSTATS']._serialized_end=1110
+  _globals['_ROUNDSTATS_PLANROUNDSENTRY']._serialized_start=1061
+  _globals['_ROUNDSTATS_PLANROUNDSENTRY']._serialized_end=1110
+  _globals['_GENERATERESPONSE']._serialized_start=1112
+  _globals['_GENERATERESPONSE']._serialized_end=1225
+  _globals['_COORDINATOR']._serialized_start=1228
+  _globals['_COORDINATOR']._serialized_end=1391
 # @@protoc_insertion_point(module_scope)

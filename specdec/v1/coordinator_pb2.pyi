@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "use_chat_template", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_draft_tokens", "tree")
+    __slots__ = ("prompt", "prompt_token_ids", "use_chat_template", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_draft_tokens", "tree", "adaptive", "overlap")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     USE_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     use_chat_template: bool
@@ -31,10 +33,19 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     num_draft_tokens: int
     tree: _common_pb2.TreeShape
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., use_chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ...) -> None: ...
+    adaptive: bool
+    overlap: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., use_chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("rounds", "mean_accepted_per_round", "draft_compute_ms", "verify_compute_ms", "wire_serialization_ms", "serialization_ms", "bytes_sent", "bytes_received", "speculation_budget", "total_ms", "generated_tokens", "tokens_per_second", "accepted_draft_tokens", "drafted_tokens", "tree_method", "bytes_per_round")
+    __slots__ = ("rounds", "mean_accepted_per_round", "draft_compute_ms", "verify_compute_ms", "wire_serialization_ms", "serialization_ms", "bytes_sent", "bytes_received", "speculation_budget", "total_ms", "generated_tokens", "tokens_per_second", "accepted_draft_tokens", "drafted_tokens", "tree_method", "bytes_per_round", "draft_wire_ms", "verify_wire_ms", "policy", "mean_budget", "plan_rounds", "overlap", "overlap_hits")
+    class PlanRoundsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +62,13 @@ class RoundStats(_message.Message):
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_METHOD_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WIRE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_WIRE_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     mean_accepted_per_round: float
     draft_compute_ms: float
@@ -67,7 +85,14 @@ class RoundStats(_message.Message):
     drafted_tokens: int
     tree_method: str
     bytes_per_round: float
-    def __init__(self, rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., wire_serialization_ms: _Optional[float] = ..., serialization_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., speculation_budget: _Optional[int] = ..., total_ms: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., tree_method: _Optional[str] = ..., bytes_per_round: _Optional[float] = ...) -> None: ...
+    draft_wire_ms: float
+    verify_wire_ms: float
+    policy: str
+    mean_budget: float
+    plan_rounds: _containers.ScalarMap[str, int]
+    overlap: bool
+    overlap_hits: int
+    def __init__(self, rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., wire_serialization_ms: _Optional[float] = ..., serialization_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., speculation_budget: _Optional[int] = ..., total_ms: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., tree_method: _Optional[str] = ..., bytes_per_round: _Optional[float] = ..., draft_wire_ms: _Optional[float] = ..., verify_wire_ms: _Optional[float] = ..., policy: _Optional[str] = ..., mean_budget: _Optional[float] = ..., plan_rounds: _Optional[_Mapping[str, int]] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

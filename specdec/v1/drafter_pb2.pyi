@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "round", "start", "new_token_ids", "committed_length", "num_draft_tokens", "verifier_tokenizer_fingerprint", "tree_shape")
+    __slots__ = ("session_id", "round", "start", "new_token_ids", "committed_length", "num_draft_tokens", "verifier_tokenizer_fingerprint", "tree_shape", "assumed_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class DraftRequest(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TREE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     start: _common_pb2.SessionStart
@@ -25,14 +26,17 @@ class DraftRequest(_message.Message):
     num_draft_tokens: int
     verifier_tokenizer_fingerprint: str
     tree_shape: _common_pb2.TreeShape
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., verifier_tokenizer_fingerprint: _Optional[str] = ..., tree_shape: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ...) -> None: ...
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., verifier_tokenizer_fingerprint: _Optional[str] = ..., tree_shape: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tree", "compute_ms", "handler_ms")
+    __slots__ = ("tree", "assumed_token_ids", "compute_ms", "handler_ms")
     TREE_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     HANDLER_MS_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.DraftTree
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compute_ms: float
     handler_ms: float
-    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,167 @@
+"""The speculation budget as a measured choice: a cost model over candidate plans, fed by
+every round's measurements (SmartSpec's goodput, extended with the network).
+
+    speculative plan (b draft nodes):  tokens/s = E[accepted + 1 | b] / (T_draft(b) + T_verify(n) + wire)
+    the verifier alone (b = 0):        tokens/s = block / (block * T_verify(1) + wire)
+
+All inputs are exponential moving averages of what the rounds measured:
+- acceptance: for chains, the profile P(accepted >= d) per depth d, so a chain of 8 also
+  teaches what a chain of 2 would accept; for trees, accepted tokens per plan;
+- T_draft per plan;
+- T_verify as a line in n, the tokens one verify call is fed (pending + tree nodes), fitted
+  by exponentially weighted least squares; a fused block costs `block` one-token steps;
+- wire time per call on each link (round trip, serialization, bandwidth), shared by all plans.
+Every plan is tried once at the start. After that, every `revisit_every` rounds the plan
+measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
+estimate already follows the network, and the revisits refresh the rest (the drafter link's
+time while the verifier alone was winning, and slowly drifting acceptance).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    budget: int  # draft tree nodes per round; 0 = the verifier alone
+    method: str = "chain"
+
+    @property
+    def label(self) -> str:
+        return "fused" if self.budget == 0 else f"{self.method}-{self.budget}"
+
+
+@dataclass
+class RoundReport:
+    plan: Plan
+    accepted: int  # draft tokens accepted
+    depth: int  # depth of the draft tree
+    verified_tokens: int  # tokens the verify call was fed; tokens generated when fused
+    draft_ms: float
+    verify_ms: float
+    draft_wire_ms: float  # call time not spent computing, per link
+    verify_wire_ms: float
+
+
+class Ema:
+    """An exponentially weighted mean whose old samples fade by `decay` per new one,
+    normalised by the summed weights (no bias toward zero at the start). An optional prior
+    counts as `prior_weight` samples of `prior`: an optimistic one makes a rarely measured
+    plan worth measuring again before it is written off on one unlucky round."""
+
+    def __init__(self, decay: float, prior: float | None = None, prior_weight: float = 0.0):
+        self.decay = decay
+        self.total = self.weights = 0.0
+        self.prior, self.prior_weight = prior, prior_weight if prior is not None else 0.0
+
+    def add(self, x: float) -> None:
+        self.total = self.decay * self.total + x
+        self.weights = self.decay * self.weights + 1.0
+
+    @property
+    def value(self) -> float | None:
+        if self.weights + self.prior_weight == 0:
+            return None
+        return (self.total + self.prior_weight * (self.prior or 0.0)) / (self.weights + self.prior_weight)
+
+    def get(self, default: float) -> float:
+        value = self.value
+        return default if value is None else value
+
+
+class VerifyCostLine:
+    """T_verify(n) = fixed + per_token * n, by exponentially weighted least squares."""
+
+    def __init__(self, decay: float):
+        self.n, self.nn, self.y, self.ny = (Ema(decay) for _ in range(4))
+
+    def add(self, n: int, ms: float) -> None:
+        for ema, x in ((self.n, n), (self.nn, n * n), (self.y, ms), (self.ny, n * ms)):
+            ema.add(x)
+
+    def __call__(self, n: int) -> float | None:
+        if self.y.value is None:
+            return None
+        variance = self.nn.value - self.n.value**2
+        if variance < 0.25:  # one call size seen so far: assume the cost is flat in n
+            return self.y.value
+        slope = max((self.ny.value - self.n.value * self.y.value) / variance, 0.0)
+        return max(self.y.value + slope * (n - self.n.value), 1e-3)
+
+
+class BudgetController:
+    """Thread-safe; one per coordinator, shared by all requests."""
+
+    # How fast old measurements fade: acceptance is noisy and drifts slowly, compute times
+    # are steady, and the network may change at any moment.
+    ACCEPTANCE_DECAY, COMPUTE_DECAY, WIRE_DECAY = 0.97, 0.9, 0.7
+    PRIOR_WEIGHT = 2.0  # optimistic acceptance priors count as this many rounds
+
+    def __init__(self, plans: list[Plan], fused_block: int, revisit_every: int = 64):
+        if not plans:
+            raise ValueError("the controller needs at least one plan")
+        self.plans = list(plans)
+        self.fused_block = fused_block
+        self.revisit_every = revisit_every
+        self.reach: dict[int, Ema] = {}  # chains: depth d -> P(accepted >= d)
+        # Optimistic priors: every chain draft accepted; a tree of b nodes accepting b / 4.
+        self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY, max(p.budget / 4, 1.0), self.PRIOR_WEIGHT) for p in self.plans}
+        self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
+        self.verify_ms = VerifyCostLine(self.COMPUTE_DECAY)
+        self.step_ms = Ema(self.COMPUTE_DECAY)  # fused: one generated token
+        self.draft_wire_ms, self.verify_wire_ms = Ema(self.WIRE_DECAY), Ema(self.WIRE_DECAY)
+        self.last_round = {p: -1 for p in self.plans}
+        self.round = self.last_revisit = 0
+        self._lock = threading.Lock()
+
+    def expected_accepted(self, plan: Plan) -> float:
+        if plan.method != "chain":
+            return self.tree_accepted[plan].get(0.0)
+        total, reach = 0.0, 1.0
+        for d in range(1, plan.budget + 1):
+            reach = min(reach, self.reach[d].get(1.0)) if d in self.reach else reach
+            total += reach
+        return total
+
+    def expected_tokens_per_s(self, plan: Plan) -> float:
+        if plan.budget == 0:
+            step = self.step_ms.get(self.verify_ms(1) or 1.0)
+            return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0)) * 1e3
+        accepted = self.expected_accepted(plan)
+        verify = self.verify_ms(plan.budget + 1 + round(accepted)) or 1.0
+        seconds_ms = self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0)
+        return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
+
+    def choose(self) -> Plan:
+        with self._lock:
+            self.round += 1
+            stale = min(self.plans, key=lambda p: self.last_round[p])
+            unmeasured = self.last_round[stale] < 0
+            if unmeasured or self.round - self.last_revisit >= self.revisit_every:
+                choice, self.last_revisit = stale, self.round
+            else:
+                choice = max(self.plans, key=self.expected_tokens_per_s)
+            self.last_round[choice] = self.round
+            return choice
+
+    def observe(self, report: RoundReport) -> None:
+        with self._lock:
+            plan = report.plan
+            self.verify_wire_ms.add(report.verify_wire_ms)
+            if plan.budget == 0:
+                self.step_ms.add(report.verify_ms / max(report.verified_tokens, 1))
+                return
+            self.draft_wire_ms.add(report.draft_wire_ms)
+            self.draft_ms[plan].add(report.draft_ms)
+            self.verify_ms.add(report.verified_tokens, report.verify_ms)
+            if plan.method == "chain":
+                for d in range(1, report.depth + 1):
+                    self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY, 1.0, self.PRIOR_WEIGHT)).add(float(report.accepted >= d))
+            else:
+                self.tree_accepted[plan].add(report.accepted)
+
+    def snapshot(self) -> dict[str, float]:
+        """Expected tokens per second of every plan."""
+        with self._lock:
+            return {p.label: self.expected_tokens_per_s(p) for p in self.plans}

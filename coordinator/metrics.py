@@ -1,0 +1,47 @@
+"""Prometheus metrics through ray.serve.metrics: what every finished request measured, so a
+dashboard shows acceptance, speed, the chosen budgets, where round time goes, and bytes.
+Ray exports them with the rest of the cluster's metrics (port 8080 of each node by default)."""
+from __future__ import annotations
+
+from ray.serve import metrics
+
+from specdec.v1 import coordinator_pb2
+
+
+class RequestMetrics:
+    def __init__(self):
+        tags = ("policy", "tree")
+        self.requests = metrics.Counter("specdec_requests", "finished generation requests", tag_keys=tags)
+        self.tokens = metrics.Counter("specdec_generated_tokens", "generated tokens", tag_keys=tags)
+        self.rounds = metrics.Counter("specdec_rounds", "rounds per plan (fused, chain-4, rsd-s-16, ...)", tag_keys=("plan",))
+        self.accepted = metrics.Counter("specdec_accepted_draft_tokens", "draft tokens the verifier accepted", tag_keys=tags)
+        self.drafted = metrics.Counter("specdec_drafted_tokens", "draft tree nodes sent to the verifier", tag_keys=tags)
+        self.tokens_per_second = metrics.Gauge("specdec_tokens_per_second", "tokens per second of the last request", tag_keys=tags)
+        self.budget = metrics.Histogram(
+            "specdec_mean_budget", "draft nodes per round, per request", boundaries=[0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5], tag_keys=tags
+        )
+        self.round_ms = metrics.Counter(
+            "specdec_round_time_ms", "round time by part: draft_compute, verify_compute, draft_wire, verify_wire", tag_keys=("part",)
+        )
+        self.bytes = metrics.Counter("specdec_bytes", "bytes on the service links, by direction (sent, received)", tag_keys=("direction",))
+
+    def record(self, stats: coordinator_pb2.RoundStats) -> None:
+        tags = {"policy": stats.policy, "tree": stats.tree_method or "none"}
+        self.requests.inc(1, tags)
+        self.tokens.inc(stats.generated_tokens, tags)
+        self.accepted.inc(stats.accepted_draft_tokens, tags)
+        self.drafted.inc(stats.drafted_tokens, tags)
+        self.tokens_per_second.set(stats.tokens_per_second, tags)
+        self.budget.observe(stats.mean_budget, tags)
+        for plan, rounds in stats.plan_rounds.items():
+            self.rounds.inc(rounds, {"plan": plan})
+        parts = {
+            "draft_compute": stats.draft_compute_ms,
+            "verify_compute": stats.verify_compute_ms,
+            "draft_wire": stats.draft_wire_ms,
+            "verify_wire": stats.verify_wire_ms,
+        }
+        for part, ms in parts.items():
+            self.round_ms.inc(ms, {"part": part})
+        self.bytes.inc(stats.bytes_sent, {"direction": "sent"})
+        self.bytes.inc(stats.bytes_received, {"direction": "received"})

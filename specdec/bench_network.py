@@ -1,0 +1,175 @@
+"""`specdec bench --rtt-sweep 0,5,20,50,100`: every speculation policy at every emulated
+round-trip time, side by side on the same prompts.
+
+For each RTT the application is redeployed with the latency injector on both service links
+(half the RTT each way; `--jitter-ms`, `--bandwidth-mbps`), then these policies run on the
+same held-out prompts, greedy and at T=1: fixed chains, fixed trees, the verifier alone
+(`fused`), and the adaptive controller with overlapped drafting off and on. The adaptive
+controllers first serve one untimed warm-up request, as a long-running server would have.
+Writes JSON rows (`rtt_ms`, `policy`, ...), a plot of tokens/s against RTT, and the checks.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def sweep_policies(chains: list[int], trees: list[int], tree_method: str) -> list[tuple[str, dict]]:
+    """(policy name, GenerateRequest fields) for every policy of the sweep."""
+    from specdec.v1 import common_pb2
+
+    policies = [(f"chain-{b}", {"num_draft_tokens": b, "adaptive": False, "overlap": False}) for b in chains]
+    policies += [
+        (f"{tree_method}-{b}", {"num_draft_tokens": b, "tree": common_pb2.TreeShape(method=tree_method), "adaptive": False, "overlap": False})
+        for b in trees
+    ]
+    policies += [
+        ("fused", {"num_draft_tokens": 0, "adaptive": False, "overlap": False}),
+        ("adaptive", {"adaptive": True, "overlap": False}),
+        ("adaptive+overlap", {"adaptive": True, "overlap": True}),
+    ]
+    return policies
+
+
+def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> dict:
+    from specdec.client import CoordinatorClient, generate_request
+    from specdec.launch import deploy, start_stack, stop_stack
+
+    rtts = [float(r) for r in args.rtt_sweep.split(",")]
+    temperatures = [float(t) for t in args.temperature.split(",")]
+    chains = [int(b) for b in args.sweep_chains.split(",")]
+    trees = [int(b) for b in args.sweep_trees.split(",")]
+    policies = sweep_policies(chains, trees, config.coordinator.adaptive.tree_method)
+    adaptive = {"chain_budgets": chains, "tree_budgets": trees}
+    rows = []
+    try:
+        for i, rtt in enumerate(rtts):
+            link = {"rtt_ms": rtt, "jitter_ms": args.jitter_ms, "bandwidth_mbps": args.bandwidth_mbps}
+            port = args.port + i  # the previous coordinator may still hold the last port
+            rtt_args = {**app_args, "coordinator": {"port": port, "network": {"drafter": link, "verifier": link}, "adaptive": adaptive}}
+            address = start_stack(rtt_args, port) if i == 0 else deploy(rtt_args, port)
+            client = CoordinatorClient(address)
+            for temperature in temperatures:
+                for name, fields in tqdm(policies, desc=f"RTT {rtt:g} ms, T={temperature:g}", unit="policy"):
+                    def request(j: int, ids: list[int]):
+                        return generate_request(
+                            prompt_token_ids=ids, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + j, **fields
+                        )
+
+                    if fields.get("adaptive"):
+                        client.generate(request(len(chat_ids), chat_ids[-1]))  # untimed warm-up of the controller
+                    tokens, seconds, stats = 0, 0.0, []
+                    for j, ids in enumerate(chat_ids):
+                        start = time.perf_counter()
+                        response = client.generate(request(j, ids))
+                        seconds += time.perf_counter() - start
+                        tokens += len(response.token_ids)
+                        stats.append(response.stats)
+                    rows.append(_row(rtt, name, temperature, tokens, seconds, stats))
+            client.close()
+    finally:
+        if not args.address:
+            stop_stack()
+    return {"rtts": rtts, "policies": [name for name, _ in policies], "results": rows, "checks": sweep_checks(rows)}
+
+
+def _row(rtt: float, policy: str, temperature: float, tokens: int, seconds: float, stats: list) -> dict:
+    rounds = sum(s.rounds for s in stats)
+    total_ms = sum(s.total_ms for s in stats)
+    plan_rounds: dict[str, int] = {}
+    for s in stats:
+        for plan, n in s.plan_rounds.items():
+            plan_rounds[plan] = plan_rounds.get(plan, 0) + n
+    speculative = sum(s.rounds for s in stats) - plan_rounds.get("fused", 0)
+    return {
+        "rtt_ms": rtt,
+        "policy": policy,
+        "temperature": temperature,
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "generated_tokens": tokens,
+        "mean_accepted_per_round": sum(s.accepted_draft_tokens for s in stats) / speculative if speculative else None,
+        "mean_budget": sum(s.mean_budget * s.rounds for s in stats) / rounds if rounds else 0.0,
+        "plan_rounds": plan_rounds,
+        "overlap_hits": sum(s.overlap_hits for s in stats),
+        "round_ms": {
+            "draft_compute": sum(s.draft_compute_ms for s in stats) / rounds,
+            "verify_compute": sum(s.verify_compute_ms for s in stats) / rounds,
+            "draft_wire": sum(s.draft_wire_ms for s in stats) / rounds,
+            "verify_wire": sum(s.verify_wire_ms for s in stats) / rounds,
+            "serialization": sum(s.serialization_ms for s in stats) / rounds,
+            "total": total_ms / rounds,
+        },
+        "wire_share": sum(s.wire_serialization_ms for s in stats) / total_ms if total_ms else None,
+        "bytes_per_round": sum(s.bytes_sent + s.bytes_received for s in stats) / rounds if rounds else None,
+    }
+
+
+def sweep_checks(rows: list[dict]) -> list[dict]:
+    """The bar of the network issue, evaluated on this run."""
+    checks = []
+    for temperature in sorted({r["temperature"] for r in rows}):
+        for rtt in sorted({r["rtt_ms"] for r in rows}):
+            at = {r["policy"]: r for r in rows if r["rtt_ms"] == rtt and r["temperature"] == temperature}
+            fixed = {p: r["tokens_per_second"] for p, r in at.items() if not p.startswith("adaptive")}
+            best = max(fixed, key=fixed.get)
+            adaptive = at["adaptive"]["tokens_per_second"]
+            checks.append(
+                {
+                    "rtt_ms": rtt,
+                    "temperature": temperature,
+                    "best_fixed": best,
+                    "adaptive_vs_best_fixed": adaptive / fixed[best],
+                    "adaptive_vs_fused": adaptive / fixed["fused"],
+                    "overlap_on_vs_off": at["adaptive+overlap"]["tokens_per_second"] / adaptive,
+                    "wire_share_of_round_time": {p: r["wire_share"] for p, r in at.items()},
+                }
+            )
+    return checks
+
+
+def write_sweep(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    rows = report["results"]
+    temperatures = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6.5 * len(temperatures), 4.5), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        for policy in report["policies"]:
+            line = sorted((r["rtt_ms"], r["tokens_per_second"]) for r in rows if r["policy"] == policy and r["temperature"] == temperature)
+            style = {"linewidth": 2.5} if policy.startswith("adaptive") else {"linestyle": "--" if policy == "fused" else "-", "alpha": 0.7}
+            ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=policy, **style)
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_xlabel("added round-trip time per service link (ms)")
+        ax.set_ylabel("tokens / s")
+        ax.legend(fontsize=8)
+    fig.suptitle("specdec bench --rtt-sweep: tokens/s against network latency")
+    fig.tight_layout()
+    plot = out.with_suffix(".png")
+    fig.savefig(plot, dpi=110)
+    plt.close(fig)
+    return [out, plot]
+
+
+def format_sweep(report: dict) -> str:
+    lines = ["| RTT ms | T | policy | tokens/s | accepted/round | mean budget | overlap hits | wire share |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        accepted = "-" if r["mean_accepted_per_round"] is None else f"{r['mean_accepted_per_round']:.2f}"
+        lines.append(
+            f"| {r['rtt_ms']:g} | {r['temperature']:g} | {r['policy']} | {r['tokens_per_second']:.2f} | {accepted} | "
+            f"{r['mean_budget']:.1f} | {r['overlap_hits']} | {r['wire_share']:.1%} |"
+        )
+    lines += ["", "| RTT ms | T | best fixed | adaptive / best fixed | adaptive / fused | overlap on / off |", "|---|---|---|---|---|---|"]
+    for c in report["checks"]:
+        lines.append(
+            f"| {c['rtt_ms']:g} | {c['temperature']:g} | {c['best_fixed']} | {c['adaptive_vs_best_fixed']:.2f} | "
+            f"{c['adaptive_vs_fused']:.2f} | {c['overlap_on_vs_off']:.2f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""The user-space link emulator: it delays real bytes on a real socket, caps bandwidth, and
+the coordinator's measured wire time sees exactly what it adds."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from specdec.client import CoordinatorClient, generate_request
+from specdec.config import ConfigError, config_from_dict
+from specdec.latency_proxy import LatencyProxy, LinkSettings
+from tests.conftest import local_stack, tiny_config
+
+
+@pytest.fixture()
+def echo_server():
+    server = socket.socket()
+    server.bind(("localhost", 0))
+    server.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+
+            def echo(conn=conn) -> None:
+                while data := conn.recv(1 << 16):
+                    conn.sendall(data)
+
+            threading.Thread(target=echo, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"localhost:{server.getsockname()[1]}"
+    server.close()
+
+
+def round_trip_ms(sock: socket.socket, size: int) -> float:
+    start = time.perf_counter()
+    sock.sendall(b"x" * size)
+    received = 0
+    while received < size:
+        received += len(sock.recv(1 << 16))
+    return (time.perf_counter() - start) * 1e3
+
+
+def test_proxy_adds_the_round_trip_time_and_can_be_retuned(echo_server):
+    proxy = LatencyProxy(echo_server, LinkSettings(rtt_ms=30))
+    with socket.create_connection(("localhost", proxy.port)) as sock:
+        slow = [round_trip_ms(sock, 100) for _ in range(5)]
+        proxy.settings = LinkSettings()
+        fast = [round_trip_ms(sock, 100) for _ in range(5)]
+    proxy.close()
+    assert 30 <= min(slow) and max(slow) < 30 + 25
+    assert max(fast) < 10
+
+
+def test_proxy_caps_bandwidth_and_keeps_order(echo_server):
+    proxy = LatencyProxy(echo_server, LinkSettings(bandwidth_mbps=8, jitter_ms=2, rtt_ms=4))
+    payload = bytes(range(256)) * 800  # 200 KB: at least 200 ms each way at 1 MB/s
+    with socket.create_connection(("localhost", proxy.port)) as sock:
+        start = time.perf_counter()
+        sock.sendall(payload)
+        back = b""
+        while len(back) < len(payload):
+            back += sock.recv(1 << 16)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+    proxy.close()
+    assert back == payload, "jitter must never reorder bytes"
+    assert elapsed_ms >= 200
+
+
+def test_coordinator_measures_the_injected_latency(tiny_dirs):
+    rtt = 20.0
+    config = tiny_config(tiny_dirs, num_draft_tokens=2)
+    config["coordinator"]["network"] = {"drafter": {"rtt_ms": rtt}, "verifier": {"rtt_ms": rtt}}
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        stats = client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=12)).stats
+        client.close()
+    calls = stats.rounds * 2  # one draft and one verify call per speculative round
+    assert stats.wire_serialization_ms >= calls * rtt
+    assert stats.draft_wire_ms >= stats.rounds * rtt and stats.verify_wire_ms >= stats.rounds * rtt
+    assert stats.draft_wire_ms + stats.verify_wire_ms == pytest.approx(stats.wire_serialization_ms)
+
+
+@pytest.mark.parametrize(
+    "link,phrase",
+    [({"rtt_ms": -1}, "coordinator.network.drafter.rtt_ms"), ({"bandwidth_mbps": "fast"}, "bandwidth_mbps must be float")],
+)
+def test_bad_link_settings_are_refused(link, phrase):
+    with pytest.raises(ConfigError, match=phrase):
+        config_from_dict({"coordinator": {"network": {"drafter": link}}})

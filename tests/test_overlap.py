@@ -1,0 +1,89 @@
+"""Overlapped drafting (PEARL): the drafter drafts the next round while the verifier checks
+this one. The output stays exactly the verifier's, greedy and sampled, and a drafter that
+guesses right gets its next round for free."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from specdec.client import CoordinatorClient, generate_request
+from specdec.tree import TREE_METHODS
+from tests.conftest import local_stack, tiny_config
+from tests.stats import assert_matches_distribution
+from tests.test_services import hf_greedy
+from tests.test_trees import SERVICE_PROMPTS, tree_request
+
+
+@pytest.fixture(scope="module")
+def overlap_stack(tiny_dirs):
+    with local_stack(tiny_config(tiny_dirs, overlap=True)) as stack:
+        stack["client"] = CoordinatorClient(stack["coordinator"])
+        yield stack
+        stack["client"].close()
+
+
+@pytest.mark.parametrize("method", TREE_METHODS)
+def test_greedy_with_overlap_is_token_identical_to_generate(overlap_stack, tiny_verifier, method):
+    for ids in SERVICE_PROMPTS:
+        response = overlap_stack["client"].generate(
+            generate_request(prompt_token_ids=ids, max_new_tokens=40, num_draft_tokens=6, tree=tree_request(method))
+        )
+        assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40), (method, ids)
+        assert response.stats.overlap
+
+
+def test_adaptive_with_overlap_is_token_identical_to_generate(overlap_stack, tiny_verifier):
+    for ids in SERVICE_PROMPTS:
+        response = overlap_stack["client"].generate(generate_request(prompt_token_ids=ids, max_new_tokens=40, adaptive=True))
+        assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40)
+        assert response.stats.policy == "adaptive"
+
+
+def test_a_drafter_that_guesses_right_skips_its_wait(tiny_dirs, tiny_verifier):
+    config = tiny_config(tiny_dirs, overlap=True)
+    config["drafter"]["model"] = str(tiny_dirs["verifier"])  # every draft accepted, every guess right
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        response = client.generate(generate_request(prompt_token_ids=SERVICE_PROMPTS[0], max_new_tokens=40, num_draft_tokens=3))
+        client.close()
+    assert list(response.token_ids) == hf_greedy(tiny_verifier, SERVICE_PROMPTS[0], 40)
+    speculative = response.stats.rounds - response.stats.plan_rounds.get("fused", 0)
+    assert response.stats.overlap_hits >= speculative - 2
+
+
+def test_sampling_with_overlap_follows_the_verifier_distribution(tiny_dirs, tiny_verifier):
+    """With one draft per round, a round whose overlapped guess came true commits two tokens
+    and the third comes from the round drafted ahead: its marginal must be the verifier's.
+    The drafter is the verifier itself, so guesses come true often."""
+    temperature, prompt, eos = 0.9, [1, 5, 9], 2
+    with torch.inference_mode():
+        def probs(prefixes):
+            return torch.softmax(tiny_verifier(torch.tensor(prefixes)).logits[:, -1] / temperature, -1).double()
+
+        vocab = tiny_verifier.config.vocab_size
+        first = probs([prompt])[0]
+        second = probs([prompt + [a] for a in range(vocab)])
+        third = probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).reshape(vocab, vocab, vocab)
+    weight = first[:, None] * second
+    weight[eos, :] = 0
+    weight[:, eos] = 0  # sequences that ended before a third token are not observed
+    exact = (weight[:, :, None] * third).sum((0, 1))
+    counts = torch.zeros(vocab)
+    config = tiny_config(tiny_dirs, overlap=True)
+    config["drafter"]["model"] = str(tiny_dirs["verifier"])
+    requests = [
+        generate_request(prompt_token_ids=prompt, max_new_tokens=4, temperature=temperature, seed=seed, num_draft_tokens=1)
+        for seed in range(2500)
+    ]
+    hits = 0
+    with local_stack(config) as stack, ThreadPoolExecutor(max_workers=4) as pool:
+        client = CoordinatorClient(stack["coordinator"])
+        for answer in pool.map(client.generate, requests):
+            hits += answer.stats.overlap_hits
+            if len(answer.token_ids) >= 3:
+                counts[answer.token_ids[2]] += 1
+        client.close()
+    assert hits > 200  # the draft made ahead was used often enough to matter
+    assert_matches_distribution(counts, exact)
