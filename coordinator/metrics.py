@@ -27,21 +27,21 @@ class RequestMetrics:
 
     def record(self, stats: coordinator_pb2.RoundStats) -> None:
         tags = {"policy": stats.policy, "tree": stats.tree_method or "none"}
-        self.requests.inc(1, tags)
-        self.tokens.inc(stats.generated_tokens, tags)
-        self.accepted.inc(stats.accepted_draft_tokens, tags)
-        self.drafted.inc(stats.drafted_tokens, tags)
+        increments = [
+            (self.requests, 1, tags),
+            (self.tokens, stats.generated_tokens, tags),
+            (self.accepted, stats.accepted_draft_tokens, tags),
+            (self.drafted, stats.drafted_tokens, tags),
+            (self.round_ms, stats.draft_compute_ms, {"part": "draft_compute"}),
+            (self.round_ms, stats.verify_compute_ms, {"part": "verify_compute"}),
+            (self.round_ms, stats.draft_wire_ms, {"part": "draft_wire"}),
+            (self.round_ms, stats.verify_wire_ms, {"part": "verify_wire"}),
+            (self.bytes, stats.bytes_sent, {"direction": "sent"}),
+            (self.bytes, stats.bytes_received, {"direction": "received"}),
+        ]
+        increments += [(self.rounds, rounds, {"plan": plan}) for plan, rounds in stats.plan_rounds.items()]
+        for counter, value, counter_tags in increments:
+            if value > 0:  # Ray counters refuse increments of 0
+                counter.inc(value, counter_tags)
         self.tokens_per_second.set(stats.tokens_per_second, tags)
         self.budget.observe(stats.mean_budget, tags)
-        for plan, rounds in stats.plan_rounds.items():
-            self.rounds.inc(rounds, {"plan": plan})
-        parts = {
-            "draft_compute": stats.draft_compute_ms,
-            "verify_compute": stats.verify_compute_ms,
-            "draft_wire": stats.draft_wire_ms,
-            "verify_wire": stats.verify_wire_ms,
-        }
-        for part, ms in parts.items():
-            self.round_ms.inc(ms, {"part": part})
-        self.bytes.inc(stats.bytes_sent, {"direction": "sent"})
-        self.bytes.inc(stats.bytes_received, {"direction": "received"})

@@ -126,7 +126,10 @@ class Coordinator:
         tokens, text = output.take_delta()
         stats = meter.stats("adaptive" if adaptive else "fixed", overlap, budget, shape.method, len(output.token_ids))
         if self.on_finished is not None:
-            self.on_finished(stats)
+            try:
+                self.on_finished(stats)
+            except Exception:  # metrics must never cost a client its answer
+                log.exception("recording the request's metrics failed")
         yield coordinator_pb2.GenerateResponse(text=text, token_ids=tokens, finish_reason=output.finish_reason, stats=stats)
 
 

@@ -5,7 +5,8 @@ For each RTT the application is redeployed with the latency injector on both ser
 (half the RTT each way; `--jitter-ms`, `--bandwidth-mbps`), then these policies run on the
 same held-out prompts, greedy and at T=1: fixed chains, fixed trees, the verifier alone
 (`fused`), and the adaptive controller with overlapped drafting off and on. The adaptive
-controllers first serve one untimed warm-up request, as a long-running server would have.
+controllers first serve one untimed warm-up request (4x the length), in which they measure
+every plan, as a long-running server would have done long before.
 Writes JSON rows (`rtt_ms`, `policy`, ...), a plot of tokens/s against RTT, and the checks.
 """
 from __future__ import annotations
@@ -54,13 +55,11 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
             client = CoordinatorClient(address)
             for temperature in temperatures:
                 for name, fields in tqdm(policies, desc=f"RTT {rtt:g} ms, T={temperature:g}", unit="policy"):
-                    def request(j: int, ids: list[int]):
-                        return generate_request(
-                            prompt_token_ids=ids, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + j, **fields
-                        )
+                    def request(j: int, ids: list[int], length: int = args.max_new_tokens):
+                        return generate_request(prompt_token_ids=ids, max_new_tokens=length, temperature=temperature, seed=args.seed + j, **fields)
 
-                    if fields.get("adaptive"):
-                        client.generate(request(len(chat_ids), chat_ids[-1]))  # untimed warm-up of the controller
+                    if fields.get("adaptive"):  # untimed warm-up: the controller measures every plan first
+                        client.generate(request(len(chat_ids), chat_ids[-1], 4 * args.max_new_tokens))
                     tokens, seconds, stats = 0, 0.0, []
                     for j, ids in enumerate(chat_ids):
                         start = time.perf_counter()

@@ -3,6 +3,8 @@ SmolLM2 pair, and a plain gRPC client that knows only the protos gets the verifi
 greedy output."""
 from __future__ import annotations
 
+import time
+import urllib.request
 
 import grpc
 import pytest
@@ -75,3 +77,21 @@ def test_draft_trees_with_the_default_pair_match_generate(ray_stack, method):
         expected = verifier.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=64, do_sample=False)[0, len(ids) :]
     assert list(reply.token_ids) == expected.tolist()
     assert reply.stats.tree_method == method and reply.stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.e2e
+def test_request_metrics_reach_prometheus(ray_stack):
+    """The coordinator's metrics are on the node's Prometheus endpoint (Ray prefixes ray_)."""
+    import ray
+
+    with grpc.insecure_channel(ray_stack) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        stub.Generate(coordinator_pb2.GenerateRequest(prompt="Hi", max_new_tokens=4, num_draft_tokens=0), timeout=600)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    deadline, text = time.time() + 90, ""
+    while time.time() < deadline and "ray_specdec_requests" not in text:
+        time.sleep(3)
+        with urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    for name in ("ray_specdec_requests", "ray_specdec_generated_tokens", "ray_specdec_round_time_ms", "ray_specdec_bytes"):
+        assert name in text, name
