@@ -35,5 +35,7 @@ def format_stats(stats: coordinator_pb2.RoundStats) -> str:
         f"{stats.mean_accepted_per_round:.2f} accepted drafts/round\n"
         f"draft {stats.draft_compute_ms:.0f} ms, verify {stats.verify_compute_ms:.0f} ms, "
         f"wire+serialization {stats.wire_serialization_ms:.0f} ms (serialization {stats.serialization_ms:.1f} ms), "
-        f"sent {stats.bytes_sent} B, received {stats.bytes_received} B"
+        f"sent {stats.bytes_sent} B, received {stats.bytes_received} B\n"
+        f"policy {stats.policy}{' with overlap' if stats.overlap else ''}, rounds per plan: "
+        + ", ".join(f"{plan} {n}" for plan, n in sorted(stats.plan_rounds.items()))
     )
