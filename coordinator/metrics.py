@@ -21,7 +21,7 @@ class RequestMetrics:
             "specdec_mean_budget", "draft nodes per round, per request", boundaries=[0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5], tag_keys=tags
         )
         self.round_ms = metrics.Counter(
-            "specdec_round_time_ms", "round time by part: draft_compute, verify_compute, draft_wire, verify_wire", tag_keys=("part",)
+            "specdec_round_time_ms", "round time by part: draft_compute, verify_compute, draft_wire, verify_wire (serialization is part of the wire parts)", tag_keys=("part",)
         )
         self.bytes = metrics.Counter("specdec_bytes", "bytes on the service links, by direction (sent, received)", tag_keys=("direction",))
 
@@ -36,6 +36,7 @@ class RequestMetrics:
             (self.round_ms, stats.verify_compute_ms, {"part": "verify_compute"}),
             (self.round_ms, stats.draft_wire_ms, {"part": "draft_wire"}),
             (self.round_ms, stats.verify_wire_ms, {"part": "verify_wire"}),
+            (self.round_ms, stats.serialization_ms, {"part": "serialization"}),
             (self.bytes, stats.bytes_sent, {"direction": "sent"}),
             (self.bytes, stats.bytes_received, {"direction": "received"}),
         ]
