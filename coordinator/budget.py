@@ -160,8 +160,3 @@ class BudgetController:
                     self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY, 1.0, self.PRIOR_WEIGHT)).add(float(report.accepted >= d))
             else:
                 self.tree_accepted[plan].add(report.accepted)
-
-    def snapshot(self) -> dict[str, float]:
-        """Expected tokens per second of every plan."""
-        with self._lock:
-            return {p.label: self.expected_tokens_per_s(p) for p in self.plans}

@@ -9,9 +9,8 @@ from typing import Iterator
 
 from coordinator.budget import BudgetController, Plan, RoundReport
 from coordinator.clients import PairSession
-from specdec.tree import TreeShape
-from specdec.wire import tree_from_proto
-from specdec.v1 import common_pb2, coordinator_pb2
+from specdec.tree import ROOT, DraftTree, TreeShape
+from specdec.v1 import coordinator_pb2
 
 
 @dataclass
@@ -127,19 +126,20 @@ def decode_rounds(
                 draft, draft_call = session.draft(plan.budget, round_shape)
                 meter.add_call(draft_call, is_draft=True)
                 exposed_draft_ms, exposed_wire_ms = draft_call.compute_ms, draft_call.overhead_ms
+            structure = DraftTree(list(draft.tree.token_ids), list(draft.tree.parent))  # parents only: no proposals needed here
             if overlap is None:
                 verdict, verify_call = session.verify(draft.tree)
             else:
                 context_length = len(session.context)
                 verifying = overlap.submit(session.verify, draft.tree)
-                next_draft, next_call = session.draft(plan.budget, round_shape, likeliest_path(draft.tree), context_length)
+                next_draft, next_call = session.draft(plan.budget, round_shape, likeliest_path(structure), context_length)
                 meter.add_call(next_call, is_draft=True)
                 verdict, verify_call = verifying.result()
                 hit = list(next_draft.assumed_token_ids) == list(verdict.token_ids)
                 ahead = (next_draft, next_call, plan) if hit else None
-            nodes = len(draft.tree.token_ids)
+            nodes = len(structure)
             report = RoundReport(
-                plan, verdict.num_accepted_draft_tokens, max(tree_from_proto(draft.tree).depths(), default=0), 1 + nodes,
+                plan, verdict.num_accepted_draft_tokens, max(structure.depths(), default=0), 1 + nodes,
                 exposed_draft_ms, verify_call.compute_ms, exposed_wire_ms, verify_call.overhead_ms,
             )
             meter.speculative_rounds += 1
@@ -152,12 +152,10 @@ def decode_rounds(
         yield list(verdict.token_ids)
 
 
-def likeliest_path(tree: common_pb2.DraftTree) -> list[int]:
+def likeliest_path(tree: DraftTree) -> list[int]:
     """The drafter's own first choice at every depth: each node's first child."""
-    path, node = [], -1
-    while True:
-        child = next((i for i, p in enumerate(tree.parent) if p == node), None)
-        if child is None:
-            return path
-        path.append(tree.token_ids[child])
-        node = child
+    path, children = [], tree.children(ROOT)
+    while children:
+        path.append(tree.token_ids[children[0]])
+        children = tree.children(children[0])
+    return path

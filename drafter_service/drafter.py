@@ -145,19 +145,21 @@ class DrafterEngine:
         session.cached_tokens.extend(new[: len(kept)])
         return new[len(kept) :]
 
-    def _pick_next(self, session: DrafterSession, context: list[int]) -> int:
-        """The drafter's guess of the token after `context`: its likeliest one."""
+    def _feed_context(self, session: DrafterSession, context: list[int]) -> torch.Tensor:
+        """Brings the cache up to `context` (no draft nodes after it); returns the logits
+        of the token that follows."""
         pending = self._reuse_cache(session, context)
         logits = self._forward(session, pending)[-1]
         session.cached_tokens.extend(pending)
         session.last_draft, session.fed_nodes = DraftTree(), []
-        return int(logits.argmax())
+        return logits
+
+    def _pick_next(self, session: DrafterSession, context: list[int]) -> int:
+        """The drafter's guess of the token after `context`: its likeliest one."""
+        return int(self._feed_context(session, context).argmax())
 
     def _draft_tree(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
-        pending = self._reuse_cache(session, context)
-        root_logits = self._forward(session, pending)[-1]
-        session.cached_tokens.extend(pending)
-        session.last_draft, session.fed_nodes = DraftTree(), []
+        root_logits = self._feed_context(session, context)
         num_context = len(session.cached_tokens)
 
         def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:

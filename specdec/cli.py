@@ -37,8 +37,9 @@ def _app_args(args) -> dict:
         app_args["config_file"] = args.config
     if args.num_draft_tokens is not None:
         app_args["coordinator"]["num_draft_tokens"] = args.num_draft_tokens
-    if tree_overrides(args):
-        app_args["coordinator"]["tree"] = tree_overrides(args)
+    tree = tree_overrides(args)
+    if tree:
+        app_args["coordinator"]["tree"] = tree
     if args.adaptive is not None:
         app_args["coordinator"]["adaptive"] = {"enabled": args.adaptive}
     if args.overlap is not None:
