@@ -173,3 +173,12 @@ def test_bad_tree_shape_sent_to_the_drafter(clients):
     )
     expect_error(lambda: drafter.call("Draft", request, drafter_pb2.DraftResponse), INVALID, "tree_shape", "bushy")
     still_serving(clients[0])
+
+
+def test_assumed_tokens_outside_the_vocabulary(clients):
+    drafter = clients[2]
+    request = drafter_pb2.DraftRequest(
+        session_id="assumed", start=_start(), committed_length=3, num_draft_tokens=2, assumed_token_ids=[4, 99999]
+    )
+    expect_error(lambda: drafter.call("Draft", request, drafter_pb2.DraftResponse), INVALID, "assumed_token_ids", "vocabulary")
+    still_serving(clients[0])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.cli import add_tree_arguments, main, tree_overrides
+from specdec.cli import _app_args, add_policy_arguments, add_tree_arguments, main, tree_overrides
 from specdec.config import ConfigError, config_from_dict, load_config
 from specdec.protos import REPO_ROOT, generate
 
@@ -76,3 +76,16 @@ def test_tree_settings_from_yaml_and_cli(tmp_path: Path):
     assert tree_overrides(args) == {"method": "dynamic", "branching": [4, 1], "width": 3, "max_depth": 6}
     assert config_from_dict({"coordinator": {"tree": tree_overrides(args)}}).coordinator.tree.width == 3
     assert main(["generate", "hi", "--tree-width", "3"]) == 2  # a shape flag without --tree
+
+
+def test_serve_flags_become_coordinator_settings():
+    parser = argparse.ArgumentParser()
+    for flag in ("--port", "--num-draft-tokens"):
+        parser.add_argument(flag, type=int)
+    parser.add_argument("--config")
+    add_tree_arguments(parser)
+    add_policy_arguments(parser)
+    args = parser.parse_args(["--port", "5", "--num-draft-tokens", "16", "--tree", "rsd-s", "--adaptive", "--no-overlap"])
+    coordinator = config_from_dict(_app_args(args)).coordinator
+    assert (coordinator.port, coordinator.num_draft_tokens, coordinator.tree.method) == (5, 16, "rsd-s")
+    assert coordinator.adaptive.enabled is True and coordinator.overlap is False
