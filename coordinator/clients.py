@@ -25,6 +25,8 @@ class ServiceCall:
 
     compute_ms: float
     cost: CallCost
+    steering_ms: float = 0.0  # of compute_ms, the service's steering work
+    steering_bytes: int = 0  # steering vector bytes this call carried
 
     @property
     def overhead_ms(self) -> float:
@@ -46,6 +48,16 @@ class ServicePair:
                 "do not share one tokenizer, so the drafter's token ids mean nothing to the verifier"
             )
 
+    def steering_problem(self) -> str | None:
+        """Why this pair cannot steer, or None when it can."""
+        drafter, verifier = self.drafter_info, self.verifier_info
+        if not drafter.steering_size or not verifier.steering_size:
+            missing = [name for name, info in (("drafter", drafter), ("verifier", verifier)) if not info.steering_size]
+            return f"steering needs a steering checkpoint loaded in both services; the {' and '.join(missing)} has none (<service>.steering_checkpoint)"
+        if drafter.steering_fingerprint != verifier.steering_fingerprint or drafter.steering_size != verifier.steering_size:
+            return "the drafter and the verifier loaded different steering checkpoints; both halves must come from one"
+        return None
+
     def close(self) -> None:
         self.drafter.close()
         self.verifier.close()
@@ -57,11 +69,13 @@ class PairSession:
     """One request's session on both services. Tracks what each side has seen, so a round sends
     only the new tokens, and re-opens a side with the full context if it lost the session."""
 
-    def __init__(self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int]):
+    def __init__(self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int], steering: bool = False):
         self.pair = pair
         self.session_id = session_id
         self.sampling = sampling
         self.context = list(context)
+        self.steering = steering
+        self.steering_vector: common_pb2.Tensor | None = None  # the verifier's latest, for the next draft
         self._drafter_seen: int | None = None  # context length the drafter has; None = not open
         self._verifier_round = 0
         self._verifier_open = False
@@ -72,6 +86,7 @@ class PairSession:
         """A draft after the committed context, or (overlapped drafting) after its first
         `context_length` tokens plus `assumed` ones, while a verify call is in flight."""
         context = self.context[:context_length]
+        steering = self.steering_vector  # the first round, before any vector exists, is unsteered
 
         def request(reopen: bool) -> drafter_pb2.DraftRequest:
             message = drafter_pb2.DraftRequest(
@@ -81,6 +96,8 @@ class PairSession:
                 tree_shape=shape_to_proto(shape),
                 assumed_token_ids=assumed,
             )
+            if steering is not None:
+                message.steering.CopyFrom(steering)
             if reopen:
                 message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=context, sampling=self.sampling))
                 message.verifier_tokenizer_fingerprint = self.pair.verifier_info.tokenizer_fingerprint
@@ -90,6 +107,7 @@ class PairSession:
 
         reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None)
         self._drafter_seen = len(context)
+        call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
         return reply, call
 
     def verify(self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0) -> tuple[verifier_pb2.VerifyResponse, ServiceCall]:
@@ -97,7 +115,7 @@ class PairSession:
             if reopen:
                 self._verifier_round = 0
             message = verifier_pb2.VerifyRequest(
-                session_id=self.session_id, round=self._verifier_round + 1, fused_tokens=fused_tokens
+                session_id=self.session_id, round=self._verifier_round + 1, fused_tokens=fused_tokens, steering=self.steering
             )
             if tree is not None:
                 message.tree.CopyFrom(tree)
@@ -109,6 +127,9 @@ class PairSession:
         self._verifier_open = True
         self._verifier_round += 1
         self.context.extend(reply.token_ids)
+        if reply.HasField("steering"):
+            self.steering_vector = reply.steering
+            call.steering_ms, call.steering_bytes = reply.steering_ms, len(reply.steering.data)
         return reply, call
 
     def close(self) -> None:

@@ -29,6 +29,9 @@ class Meter:
     bytes_sent: int = 0
     bytes_received: int = 0
     budget_total: int = 0
+    steering_bytes: int = 0
+    draft_steering_ms: float = 0.0
+    verify_steering_ms: float = 0.0
     overlap_hits: int = 0
     plan_rounds: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)
@@ -37,9 +40,12 @@ class Meter:
         if is_draft:
             self.draft_compute_ms += call.compute_ms
             self.draft_wire_ms += call.overhead_ms
+            self.draft_steering_ms += call.steering_ms
         else:
             self.verify_compute_ms += call.compute_ms
             self.verify_wire_ms += call.overhead_ms
+            self.verify_steering_ms += call.steering_ms
+        self.steering_bytes += call.steering_bytes
         self.serialization_ms += call.cost.serialize_ms + call.cost.deserialize_ms
         self.bytes_sent += call.cost.bytes_sent
         self.bytes_received += call.cost.bytes_received
@@ -49,7 +55,7 @@ class Meter:
         self.plan_rounds[plan.label] += 1
         self.budget_total += plan.budget
 
-    def stats(self, policy: str, overlap: bool, budget: int, tree_method: str, generated: int) -> coordinator_pb2.RoundStats:
+    def stats(self, policy: str, overlap: bool, steering: bool, budget: int, tree_method: str, generated: int) -> coordinator_pb2.RoundStats:
         total_ms = (time.perf_counter() - self.started) * 1e3
         return coordinator_pb2.RoundStats(
             rounds=self.rounds,
@@ -75,6 +81,10 @@ class Meter:
             plan_rounds=dict(self.plan_rounds),
             overlap=overlap,
             overlap_hits=self.overlap_hits,
+            steering=steering,
+            steering_bytes=self.steering_bytes,
+            verify_steering_ms=self.verify_steering_ms,
+            draft_steering_ms=self.draft_steering_ms,
         )
 
 

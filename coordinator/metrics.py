@@ -24,6 +24,8 @@ class RequestMetrics:
             "specdec_round_time_ms", "round time by part: draft_compute, verify_compute, draft_wire, verify_wire (serialization is part of the wire parts)", tag_keys=("part",)
         )
         self.bytes = metrics.Counter("specdec_bytes", "bytes on the service links, by direction (sent, received)", tag_keys=("direction",))
+        self.steering_bytes = metrics.Counter("specdec_steering_bytes", "SD2 steering vector bytes (verifier -> coordinator -> drafter)")
+        self.steering_ms = metrics.Counter("specdec_steering_ms", "SD2 steering compute inside the services", tag_keys=("service",))
 
     def record(self, stats: coordinator_pb2.RoundStats) -> None:
         tags = {"policy": stats.policy, "tree": stats.tree_method or "none"}
@@ -39,6 +41,9 @@ class RequestMetrics:
             (self.round_ms, stats.serialization_ms, {"part": "serialization"}),
             (self.bytes, stats.bytes_sent, {"direction": "sent"}),
             (self.bytes, stats.bytes_received, {"direction": "received"}),
+            (self.steering_bytes, stats.steering_bytes, None),
+            (self.steering_ms, stats.verify_steering_ms, {"service": "verifier"}),
+            (self.steering_ms, stats.draft_steering_ms, {"service": "drafter"}),
         ]
         increments += [(self.rounds, rounds, {"plan": plan}) for plan, rounds in stats.plan_rounds.items()]
         for counter, value, counter_tags in increments:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from coordinator.budget import BudgetController, Plan
-from coordinator.clients import PairSession, ServicePair
+from coordinator.clients import PairMismatch, PairSession, ServicePair
 from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
 from specdec.config import CoordinatorConfig
@@ -72,8 +72,8 @@ class Coordinator:
             raise invalid(f"the prompt has {len(ids)} tokens; the verifier's context is {self.max_context}")
         return list(ids)
 
-    def check_request(self, request: coordinator_pb2.GenerateRequest) -> tuple[int, int, TreeShape, bool, bool]:
-        """Validates the generation parameters; returns (max_new_tokens, budget, tree shape, adaptive, overlap)."""
+    def check_request(self, request: coordinator_pb2.GenerateRequest) -> tuple[int, int, TreeShape, bool, bool, bool]:
+        """Validates the generation parameters; returns (max_new_tokens, budget, tree shape, adaptive, overlap, steering)."""
         cap = self.config.max_new_tokens_cap
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else self.config.default_max_new_tokens
         if not 1 <= max_new <= cap:
@@ -95,11 +95,14 @@ class Coordinator:
             raise invalid(str(err)) from None
         adaptive = request.adaptive if request.HasField("adaptive") else self.config.adaptive.enabled
         overlap = request.overlap if request.HasField("overlap") else self.config.overlap
-        return max_new, budget, shape, adaptive, overlap
+        steering = request.steering if request.HasField("steering") else self.config.steering
+        if steering and self.pair.steering_problem():
+            raise invalid(self.pair.steering_problem())
+        return max_new, budget, shape, adaptive, overlap, steering
 
     def generate(self, request: coordinator_pb2.GenerateRequest) -> Iterator[coordinator_pb2.GenerateResponse]:
         """One response per round with the new tokens and text; the last has finish_reason and stats."""
-        max_new, budget, shape, adaptive, overlap = self.check_request(request)
+        max_new, budget, shape, adaptive, overlap, steering = self.check_request(request)
         prompt = self.prompt_ids(request)
         max_new = min(max_new, self.max_context - len(prompt) - max(budget, self.largest_budget if adaptive else 0) - 1)
         sampling = common_pb2.SamplingParams(
@@ -108,7 +111,7 @@ class Coordinator:
             top_k=request.top_k,
             seed=request.seed,
         )
-        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt)
+        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, steering)
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
         meter = Meter()
         try:
@@ -124,7 +127,7 @@ class Coordinator:
         finally:
             session.close()
         tokens, text = output.take_delta()
-        stats = meter.stats("adaptive" if adaptive else "fixed", overlap, budget, shape.method, len(output.token_ids))
+        stats = meter.stats("adaptive" if adaptive else "fixed", overlap, steering, budget, shape.method, len(output.token_ids))
         if self.on_finished is not None:
             try:
                 self.on_finished(stats)
@@ -172,6 +175,9 @@ def start(config, drafter_address: str, verifier_address: str, on_finished=None)
     drafter_address = _through_link(drafter_address, network.drafter, proxies)
     verifier_address = _through_link(verifier_address, network.verifier, proxies)
     pair = ServicePair(drafter_address, verifier_address, config.coordinator.request_timeout_s, proxies)
+    if config.coordinator.steering and pair.steering_problem():
+        pair.close()
+        raise PairMismatch(f"coordinator.steering is on, but {pair.steering_problem()}")
     coordinator = Coordinator(config.coordinator, pair, config.verifier.model.source, on_finished)
     server, port = serve(coordinator, config.coordinator.host, config.coordinator.port)
     return server, port, coordinator

@@ -1,9 +1,11 @@
 """The drafter's model-side logic: sessions with a KV cache that follows the committed
-context, and draft proposals (greedy picks, or samples with their sparse proposal)."""
+context, and draft proposals (greedy picks, or samples with their sparse proposal),
+optionally steered by the verifier's SD² vector."""
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,6 +18,7 @@ from specdec.models import ModelSpec, check_tree_attention, eos_token_ids, load_
 from specdec.rpc import ServiceError, invalid
 from specdec.sampling import Sampling, warp_probs
 from specdec.sessions import SessionStore, check_context
+from specdec.steering import load_drafter_steering
 from specdec.tree import ROOT, DraftTree, Proposal, TreeShape, node_inputs
 
 
@@ -40,6 +43,7 @@ class DrafterEngine:
         max_sessions: int = 64,
         session_ttl_s: float = 600.0,
         max_draft_tokens: int = 64,
+        steering_checkpoint: str | None = None,
     ):
         self.spec = spec
         self.model = load_model(spec)
@@ -53,6 +57,10 @@ class DrafterEngine:
         self.max_draft_tokens = max_draft_tokens
         self.sessions: SessionStore[DrafterSession] = SessionStore(max_sessions, session_ttl_s)
         self._model_lock = threading.Lock()
+        self.steering, self.steering_fingerprint = None, ""
+        if steering_checkpoint:
+            self.steering, self.steering_fingerprint = load_drafter_steering(steering_checkpoint, self.model)
+        self.steering_size = self.steering.norm.normalized_shape[0] if self.steering else 0
 
     def open_session(self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str) -> DrafterSession:
         if verifier_fingerprint and verifier_fingerprint != self.fingerprint:
@@ -76,11 +84,13 @@ class DrafterEngine:
         num_tokens: int,
         shape: TreeShape,
         assumed: list[int] = (),
-    ) -> tuple[DraftTree, list[int], float]:
+        steering: torch.Tensor | None = None,
+    ) -> tuple[DraftTree, list[int], float, float]:
         """Commits new_tokens and drafts a tree of at most num_tokens nodes after the context.
         With `assumed` tokens (overlapped drafting) the tree is drafted after the context plus
-        those tokens plus the drafter's own pick of the next one, all uncommitted; returns
-        the tree, what it assumed, and the compute time in ms."""
+        those tokens plus the drafter's own pick of the next one, all uncommitted. A steering
+        vector steers every token this call feeds. Returns the tree, what it assumed, the
+        compute time and, of it, the steering's, in ms."""
         if not 1 <= num_tokens <= self.max_draft_tokens:
             raise invalid(f"num_draft_tokens must be in [1, {self.max_draft_tokens}], got {num_tokens}")
         try:
@@ -104,11 +114,22 @@ class DrafterEngine:
             session.tokens.extend(new_tokens)
             start = time.perf_counter()
             context = session.tokens + list(assumed)
-            with self._model_lock, torch.inference_mode():
+            with self._model_lock, torch.inference_mode(), self._steered(steering) as steering_ms:
                 if assumed:
                     context.append(self._pick_next(session, context))
                 tree = self._draft_tree(session, context, shape, num_tokens)
-            return tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3
+            return tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms[0]
+
+    @contextmanager
+    def _steered(self, vector: torch.Tensor | None):
+        """Forwards inside are steered by `vector` (None = unsteered); yields a one-item list
+        that holds the ms spent making the per-layer deltas."""
+        if vector is None:
+            yield [0.0]
+            return
+        start = time.perf_counter()
+        with self.steering.steer(vector.to(self.model.device)):
+            yield [(time.perf_counter() - start) * 1e3]
 
     def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **kwargs) -> torch.Tensor:
         out = self.model(

@@ -8,6 +8,7 @@ import grpc
 from drafter_service.drafter import DrafterEngine
 from specdec.models import set_torch_threads
 from specdec.rpc import invalid, reports_errors, start_server
+from specdec.steering import SteeringError, vector_from_tensor
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.wire import DRAFTER_SERVICE, model_info, sampling_from_proto, shape_from_proto, tree_to_proto
 
@@ -36,7 +37,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         else:
             session = self.engine.sessions.get(request.session_id)
         shape = shape_from_proto(request.tree_shape)
-        tree, assumed, compute_ms = self.engine.draft(
+        steering = None
+        if request.HasField("steering"):
+            if not self.engine.steering_size:
+                raise invalid("a steering vector was sent, but this drafter has no steering checkpoint loaded (drafter.steering_checkpoint)")
+            try:
+                steering = vector_from_tensor(request.steering, self.engine.steering_size)
+            except SteeringError as err:
+                raise invalid(str(err)) from None
+        tree, assumed, compute_ms, steering_ms = self.engine.draft(
             request.session_id,
             session,
             list(request.new_token_ids),
@@ -44,9 +53,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             request.num_draft_tokens,
             shape,
             list(request.assumed_token_ids),
+            steering,
         )
         return drafter_pb2.DraftResponse(
-            tree=tree_to_proto(tree), assumed_token_ids=assumed, compute_ms=compute_ms, handler_ms=(time.perf_counter() - start) * 1e3
+            tree=tree_to_proto(tree),
+            assumed_token_ids=assumed,
+            compute_ms=compute_ms,
+            handler_ms=(time.perf_counter() - start) * 1e3,
+            steering_ms=steering_ms,
         )
 
     @reports_errors
@@ -58,7 +72,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 def start(config) -> tuple[grpc.Server, int]:
     """Loads the model and starts serving it; returns (grpc server, bound port)."""
     set_torch_threads(config.torch_threads)
-    engine = DrafterEngine(config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s)
+    engine = DrafterEngine(
+        config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s, steering_checkpoint=config.steering_checkpoint
+    )
     servicer = DrafterServicer(engine)
     server, bound, _ = start_server(
         lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),

@@ -47,6 +47,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     network.add_argument("--sweep-trees", default="16,32", help="fixed tree budgets of the sweep (also the adaptive candidates)")
     network.add_argument("--jitter-ms", type=float, default=0.0, help="standard deviation of each direction's delay")
     network.add_argument("--bandwidth-mbps", type=float, default=0.0, help="bandwidth cap per direction; 0 = none")
+    steering = parser.add_argument_group("SD² steering ablation (instead of the method comparison; first of --trees and --budgets)")
+    steering.add_argument("--steering-ablation", action="store_true", help="steered vs the same drafter unsteered vs the distilled-only drafter")
+    steering.add_argument("--steered-drafter", help="drafter checkpoint with steering (default: the config's drafter)")
+    steering.add_argument("--distilled-drafter", help="drafter distilled with the same recipe and budget, without steering")
+    steering.add_argument("--ood-categories", help="comma-separated categories measured apart (default: those the steered drafter's recipe excluded)")
 
 
 @dataclass
@@ -102,6 +107,15 @@ def run_bench(args) -> int:
         tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, return_dict=False)
         for p in prompts
     ]
+    if args.steering_ablation:
+        from specdec.bench_steering import format_ablation, run_steering_ablation, write_ablation
+
+        report = run_steering_ablation(args, config, app_args, tokenizer, shapes[trees[0]], budgets[0])
+        report["config"] = {"verifier": config.verifier.model.__dict__, "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads()}
+        written = write_ablation(report, Path(args.out))
+        print(format_ablation(report))
+        print("wrote " + ", ".join(map(str, written)))
+        return 0
     if args.rtt_sweep:
         from specdec.bench_network import format_sweep, run_rtt_sweep, write_sweep
 

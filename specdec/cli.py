@@ -44,12 +44,30 @@ def _app_args(args) -> dict:
         app_args["coordinator"]["adaptive"] = {"enabled": args.adaptive}
     if args.overlap is not None:
         app_args["coordinator"]["overlap"] = args.overlap
+    if args.steering is not None:
+        app_args.update(steering_overrides(args.steering, app_args))
+        app_args["coordinator"]["steering"] = True
     return app_args
+
+
+def steering_overrides(checkpoint: str, app_args: dict) -> dict:
+    """Both services load their halves of this SD² checkpoint ("" = the drafter's own directory)."""
+    from specdec.app import build_config
+
+    checkpoint = checkpoint or build_config(app_args).drafter.model.source
+    return {name: {"steering_checkpoint": checkpoint} for name in ("drafter", "verifier")}
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="the cost model picks each round's budget")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, help="draft the next round while this one is verified")
+
+
+def add_serve_steering_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--steering", nargs="?", const="", metavar="CHECKPOINT",
+        help="SD² steering on by default: both services load their halves of CHECKPOINT (default: the drafter's own directory)",
+    )
 
 
 def cmd_serve(args) -> int:
@@ -115,6 +133,7 @@ def cmd_generate(args) -> int:
             tree=tree,
             adaptive=args.adaptive,
             overlap=args.overlap,
+            steering=args.steering,
         )
     except grpc.RpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
@@ -153,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--num-draft-tokens", type=int, help="default draft tree nodes per round (0 = verifier only)")
     add_tree_arguments(serve)
     add_policy_arguments(serve)
+    add_serve_steering_argument(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running server and print round statistics")
@@ -167,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--num-draft-tokens", type=int, help="draft tree nodes per round; 0 = verifier only")
     add_tree_arguments(gen)
     add_policy_arguments(gen)
+    gen.add_argument("--steering", action=argparse.BooleanOptionalAction, help="SD²: the verifier steers the drafter (the pair needs a steering checkpoint)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=cmd_generate)
 

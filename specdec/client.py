@@ -38,4 +38,9 @@ def format_stats(stats: coordinator_pb2.RoundStats) -> str:
         f"sent {stats.bytes_sent} B, received {stats.bytes_received} B\n"
         f"policy {stats.policy}{' with overlap' if stats.overlap else ''}, rounds per plan: "
         + ", ".join(f"{plan} {n}" for plan, n in sorted(stats.plan_rounds.items()))
+        + (
+            f"\nsteering: {stats.steering_bytes} B, verifier {stats.verify_steering_ms:.1f} ms, drafter {stats.draft_steering_ms:.1f} ms"
+            if stats.steering
+            else ""
+        )
     )

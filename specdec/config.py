@@ -29,6 +29,9 @@ class ServiceConfig:
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    # SD²: a steering checkpoint (a drafter directory made by `specdec distill --steering`);
+    # each service loads its own half. Both services need the same one for a pair to steer.
+    steering_checkpoint: str | None = None
 
 
 @dataclass
@@ -77,6 +80,7 @@ class CoordinatorConfig:
     verifier_address: str | None = None
     network: NetworkConfig = field(default_factory=NetworkConfig)
     overlap: bool = False  # draft the next round while the verifier checks this one (PEARL)
+    steering: bool = False  # SD²: requests steer the drafter by default (needs steering_checkpoint on both services)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
 
@@ -113,6 +117,8 @@ class Config:
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
                 (service.model.dtype in ("float32", "float16", "bfloat16"), f"{name}.model.dtype must be float32, float16 or bfloat16"),
             ]
+        if self.coordinator.steering and not (self.drafter.steering_checkpoint and self.verifier.steering_checkpoint):
+            checks.append((False, "coordinator.steering needs drafter.steering_checkpoint and verifier.steering_checkpoint"))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

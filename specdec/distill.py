@@ -6,6 +6,11 @@ vocabulary. It trains on teacher samples, its own samples scored by the teacher 
 or both, under the chosen divergence. Evaluation on held-out prompts before and after
 reports greedy agreement, sampling acceptance (1 - TVD at T=1) and accepted tokens per
 verify call at depth 4. The output directory loads straight into drafter_service.
+
+With `steering`, the drafter also learns to read the verifier's SD² steering vector
+(specdec/steering.py): the verifier-side projection and the drafter-side one train jointly
+with the drafter (or alone, `steering_only`, over a frozen drafter), under forward KL on
+verifier text, with drafter position t steered by verifier position t - o, o ~ U{1..k}.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import json
 import random
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,9 +31,10 @@ from transformers import DynamicCache
 
 from specdec.config import ConfigError, build_dataclass
 from specdec.divergences import DIVERGENCES, divergence
-from specdec.drafter_checkpoint import build_student, save_drafter, set_head
-from specdec.models import BUILTIN_SMOLLM2, eos_token_ids, load_model_weights_only, load_tokenizer
+from specdec.drafter_checkpoint import build_student, is_drafter_checkpoint, load_drafter, read_meta, save_drafter, set_head
+from specdec.models import BUILTIN_SMOLLM2, eos_token_ids, load_model_weights_only, load_tokenizer, resolve_alias
 from specdec.prompts import PACKAGED_PROMPTS, evaluation_split, load_prompts, training_split
+from specdec.steering import DrafterSteering, VerifierSteering, cycled_offsets, default_layers, gather_steering, sample_offsets, save_steering
 
 DATA_MODES = ("teacher", "on-policy", "mixed")
 
@@ -36,13 +43,16 @@ DATA_MODES = ("teacher", "on-policy", "mixed")
 class DistillConfig:
     verifier: str = BUILTIN_SMOLLM2
     init_layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
-    student_model: str | None = None  # start from this model instead of verifier layers
+    # Start from this model instead of verifier layers: any causal LM with the verifier's
+    # tokenizer, or a drafter checkpoint (which keeps its own layers and draft vocabulary).
+    student_model: str | None = None
     share_embeddings: bool = True  # reuse the verifier's embeddings and head, frozen, not stored
     draft_vocab: int = 8192  # predict only the N most frequent teacher tokens; 0 = all
     data: str = "mixed"
     divergence: str = "fkl"
     jsd_beta: float = 0.5
     prompts: str = str(PACKAGED_PROMPTS)
+    exclude_categories: list[str] = field(default_factory=list)  # left out of training (an out-of-distribution check)
     sample_tokens: int = 96  # length of each teacher / student sample
     max_prompt_tokens: int = 256  # longer prompts (long summarisation / RAG contexts) are left out
     teacher_samples_per_prompt: int = 2
@@ -56,8 +66,18 @@ class DistillConfig:
     seed: int = 0
     out: str = "runs/drafter"
     dtype: str = "float16"  # how the student's weights are stored
+    steering: bool = False  # SD²: train the steering projections with the drafter
+    steering_only: bool = False  # SD²: train only the projections, over a frozen drafter
+    steering_layers: list[int] = field(default_factory=list)  # verifier layers read (empty = ~10%, 50%, 95%)
+    steering_max_offset: int = 4  # k: position t is steered from verifier position t - o, o ~ U{1..k}
 
     def __post_init__(self):
+        if self.steering_only and not self.steering:
+            raise ConfigError("steering_only needs steering: true")
+        if self.steering_layers and len(self.steering_layers) != 3:
+            raise ConfigError(f"steering_layers must name 3 verifier layers, got {self.steering_layers}")
+        if self.steering_max_offset < 1:
+            raise ConfigError("steering_max_offset must be >= 1")
         if self.data not in DATA_MODES:
             raise ConfigError(f"data must be one of {', '.join(DATA_MODES)}, got '{self.data}'")
         if self.divergence not in DIVERGENCES:
@@ -148,16 +168,44 @@ def _student_full_logp(student_logits: torch.Tensor, vocab_ids: torch.Tensor | N
     return full
 
 
+@dataclass
+class SteeringPair:
+    verifier: VerifierSteering
+    drafter: DrafterSteering
+    max_offset: int
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.verifier.parameters()) + list(self.drafter.parameters())
+
+
+@contextmanager
+def _steered(steering: SteeringPair | None, hidden_states, mask: torch.Tensor, offsets: tuple[torch.Tensor, torch.Tensor] | None):
+    """Student forwards inside are steered by the teacher's hidden states, each position from
+    its offset source position (see steering.sample_offsets)."""
+    if steering is None:
+        yield
+        return
+    source, present = offsets
+    vectors = steering.verifier(hidden_states)
+    with steering.drafter.steer(gather_steering(vectors, source), present & mask.bool()):
+        yield
+
+
 @torch.inference_mode()
-def evaluate(student, teacher, samples: list[Sample], pad: int, vocab_ids, depth: int = 4, batch: int = 8) -> dict:
-    """Agreement, acceptance and accepted tokens per verify call along teacher greedy text."""
+def evaluate(student, teacher, samples: list[Sample], pad: int, vocab_ids, steering: SteeringPair | None = None, depth: int = 4, batch: int = 8) -> dict:
+    """Agreement, acceptance and accepted tokens per verify call along teacher greedy text.
+    Steered, each position reads the vector from o = 1..k positions back, cycling, as in
+    rounds of k drafts."""
     agree, accept, positions = 0.0, 0.0, 0
     accepted_per_call: list[int] = []
     for start in range(0, len(samples), batch):
         chunk = samples[start : start + batch]
         ids, mask, loss_mask = _batch_tensors(chunk, pad)
-        p_logp = teacher(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-        q_logp = _student_full_logp(student(input_ids=ids, attention_mask=mask).logits, vocab_ids, p_logp.shape[-1])
+        out = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=steering is not None)
+        p_logp = out.logits.float().log_softmax(-1)
+        offsets = cycled_offsets(*ids.shape, steering.max_offset) if steering else None
+        with _steered(steering, out.hidden_states, mask, offsets):
+            q_logp = _student_full_logp(student(input_ids=ids, attention_mask=mask).logits, vocab_ids, p_logp.shape[-1])
         matches = (p_logp.argmax(-1) == q_logp.argmax(-1)) & loss_mask
         agree += float(matches.sum())
         accept += float((torch.minimum(p_logp.exp(), q_logp.exp()).sum(-1) * loss_mask).sum())
@@ -200,6 +248,24 @@ def sample_settings(cfg: DistillConfig) -> dict:
     return {k: getattr(cfg, k) for k in keys}
 
 
+def _student(cfg: DistillConfig, teacher, teacher_samples: list[Sample], eos: set[int], tokenizer) -> tuple[torch.nn.Module, list[int], list[int] | None, bool]:
+    """(student, its layer indices in the verifier, its draft vocabulary, whether its
+    embeddings and head are the verifier's, frozen and not stored)."""
+    if cfg.student_model and is_drafter_checkpoint(resolve_alias(cfg.student_model)):
+        student, _ = load_drafter(resolve_alias(cfg.student_model), torch.float32, scattered_head=False)
+        meta = read_meta(resolve_alias(cfg.student_model))
+        vocab = getattr(student, "draft_vocab_ids", None)
+        return student, meta["layers"], None if vocab is None else vocab.tolist(), meta["shared_embeddings"]
+    vocab_ids = _draft_vocab(teacher_samples, cfg.draft_vocab, eos)
+    if cfg.student_model:
+        student = load_model_weights_only(cfg.student_model, torch.float32)
+        if load_tokenizer(cfg.student_model).get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(f"student_model {cfg.student_model} does not share the verifier's tokenizer")
+        set_head(student, student.lm_head.weight.detach()[torch.tensor(vocab_ids)] if vocab_ids else student.lm_head.weight.detach(), vocab_ids)
+        return student, list(range(student.config.num_hidden_layers)), vocab_ids, False
+    return build_student(teacher, cfg.init_layers, vocab_ids), cfg.init_layers, vocab_ids, cfg.share_embeddings
+
+
 def run_distill(cfg: DistillConfig) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -215,11 +281,15 @@ def run_distill(cfg: DistillConfig) -> dict:
     eos = set(eos_token_ids(teacher, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     rows = load_prompts(cfg.prompts)
-    short = [r for r in rows if len(chat_ids(tokenizer, r["prompt"])) <= cfg.max_prompt_tokens]
+    unknown = set(cfg.exclude_categories) - {r["category"] for r in rows}
+    if unknown:
+        raise ConfigError(f"exclude_categories: no such categories in {cfg.prompts}: {sorted(unknown)}")
+    ids_of = {r["question_id"]: chat_ids(tokenizer, r["prompt"]) for r in rows}
+    short = [r for r in rows if len(ids_of[r["question_id"]]) <= cfg.max_prompt_tokens]
     train_rows, eval_rows = training_split(short), evaluation_split(short, cfg.eval_prompts)
     # Similar lengths batch together, so left padding wastes little.
-    train_prompts = sorted((chat_ids(tokenizer, r["prompt"]) for r in train_rows), key=len)
-    eval_prompts = [chat_ids(tokenizer, r["prompt"]) for r in eval_rows]
+    train_prompts = sorted((ids_of[r["question_id"]] for r in train_rows), key=len)
+    eval_prompts = [ids_of[r["question_id"]] for r in eval_rows]
 
     cached = out / "samples.pt"
     sample_key = sample_settings(cfg)
@@ -231,26 +301,39 @@ def run_distill(cfg: DistillConfig) -> dict:
             "eval": _generate_samples(teacher, tokenizer, eval_prompts, 1, cfg, eos, generator, "eval (teacher greedy)", greedy=True),
         }
         _atomic_save(data, cached)
-    teacher_samples, eval_samples = data["teacher"], data["eval"]
+    # Excluded categories are dropped here, after the cache, so recipes that differ only in
+    # them share one set of samples; their held-out prompts are evaluated apart.
+    excluded = {tuple(ids_of[r["question_id"]]) for r in rows if r["category"] in cfg.exclude_categories}
+    teacher_samples = [s for s in data["teacher"] if tuple(s[0]) not in excluded]
+    eval_samples = [s for s in data["eval"] if tuple(s[0]) not in excluded]
+    excluded_eval_samples = [s for s in data["eval"] if tuple(s[0]) in excluded]
+    train_rows = [r for r in train_rows if r["category"] not in cfg.exclude_categories]
 
-    vocab_ids = _draft_vocab(teacher_samples, cfg.draft_vocab, eos)
-    if cfg.student_model:
-        student = load_model_weights_only(cfg.student_model, torch.float32)
-        if load_tokenizer(cfg.student_model).get_vocab() != tokenizer.get_vocab():
-            raise ConfigError(f"student_model {cfg.student_model} does not share the verifier's tokenizer")
-        set_head(student, student.lm_head.weight.detach()[torch.tensor(vocab_ids)] if vocab_ids else student.lm_head.weight.detach(), vocab_ids)
-        layers = list(range(student.config.num_hidden_layers))
-    else:
-        student = build_student(teacher, cfg.init_layers, vocab_ids)
-        layers = cfg.init_layers
-    shared = cfg.share_embeddings and not cfg.student_model
+    student, layers, vocab_ids, shared = _student(cfg, teacher, teacher_samples, eos, tokenizer)
     if shared:
         student.model.embed_tokens.weight.requires_grad_(False)
         student.lm_head.weight.requires_grad_(False)
+    if cfg.steering_only:
+        student.requires_grad_(False)
+    steering = None
+    if cfg.steering:
+        hidden = teacher.config.hidden_size
+        steering = SteeringPair(
+            VerifierSteering(hidden, cfg.steering_layers or default_layers(teacher.config.num_hidden_layers)),
+            DrafterSteering.for_model(student, hidden),
+            cfg.steering_max_offset,
+        )
+        steering.drafter.attach(student)
     vocab_tensor = None if vocab_ids is None else torch.tensor(vocab_ids)
-    trainable = [p for p in student.parameters() if p.requires_grad]
+    trainable = [p for p in student.parameters() if p.requires_grad] + (steering.parameters() if steering else [])
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / cfg.steps))
+
+    def evaluations(steered: bool) -> tuple[dict, dict | None]:
+        """On the held-out prompts, and apart on those of the excluded categories."""
+        use = steering if steered else None
+        outside = evaluate(student, teacher, excluded_eval_samples, pad, vocab_tensor, use) if excluded_eval_samples else None
+        return evaluate(student, teacher, eval_samples, pad, vocab_tensor, use), outside
 
     checkpoint_path = out / "checkpoint.pt"
     step, history, before = 0, [], None
@@ -259,6 +342,9 @@ def run_distill(cfg: DistillConfig) -> dict:
         if state["config"] != dataclasses.asdict(cfg):
             raise ConfigError(f"{checkpoint_path} was made with another recipe; use a new --out or delete it")
         student.load_state_dict(state["student"])
+        if steering:
+            steering.verifier.load_state_dict(state["steering"]["verifier"])
+            steering.drafter.load_state_dict(state["steering"]["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step, history, before = state["step"], state["history"], state["before"]
@@ -268,8 +354,8 @@ def run_distill(cfg: DistillConfig) -> dict:
         print(f"resuming from step {step}")
     student.eval()
     if before is None:
-        before = evaluate(student, teacher, eval_samples, pad, vocab_tensor)
-        print("before:", json.dumps(before))
+        before = evaluations(steered=False)  # an untrained steering is exactly no steering
+        print("before:", json.dumps(before[0]))
 
     on_policy_share = {"teacher": 0.0, "on-policy": 1.0, "mixed": 0.5}[cfg.data]
     bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step")
@@ -284,12 +370,15 @@ def run_distill(cfg: DistillConfig) -> dict:
             batch = [teacher_samples[i] for i in prompts_or_samples]
         ids, mask, loss_mask = _batch_tensors(batch, pad)
         with torch.no_grad():
-            teacher_logits = teacher(input_ids=ids, attention_mask=mask).logits
+            teacher_out = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=steering is not None)
+            teacher_logits = teacher_out.logits
             if vocab_tensor is not None:
                 teacher_logits = teacher_logits[..., vocab_tensor]
             teacher_logp = teacher_logits.float().log_softmax(-1)[loss_mask]
         student.train()
-        student_logp = student(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)[loss_mask]
+        offsets = sample_offsets(mask.bool(), cfg.steering_max_offset, generator) if steering else None
+        with _steered(steering, teacher_out.hidden_states, mask, offsets):
+            student_logp = student(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)[loss_mask]
         loss = divergence(cfg.divergence, teacher_logp, student_logp, cfg.jsd_beta).mean()
         optimizer.zero_grad()
         loss.backward()
@@ -307,40 +396,58 @@ def run_distill(cfg: DistillConfig) -> dict:
                 {
                     "config": dataclasses.asdict(cfg), "step": step, "history": history, "before": before,
                     "student": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                    "steering": {"verifier": steering.verifier.state_dict(), "drafter": steering.drafter.state_dict()} if steering else None,
                     "python_rng": random.getstate(), "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
                 },
                 checkpoint_path,
             )
     bar.close()
     student.eval()
-    after = evaluate(student, teacher, eval_samples, pad, vocab_tensor)
-    print("after:", json.dumps(after))
+    after = evaluations(steered=steering is not None)
+    print("after:", json.dumps(after[0]))
     recipe = dataclasses.asdict(cfg)
     save_drafter(out / "drafter", student, cfg.verifier, layers, shared, recipe, cfg.dtype)
     report = {
         "recipe": recipe,
         "train_question_ids": [r["question_id"] for r in train_rows],
-        "eval_question_ids": [r["question_id"] for r in eval_rows],
+        "eval_question_ids": [r["question_id"] for r in eval_rows if r["category"] not in cfg.exclude_categories],
+        "excluded_eval_question_ids": [r["question_id"] for r in eval_rows if r["category"] in cfg.exclude_categories],
         "teacher_samples": len(teacher_samples),
         "teacher_sample_tokens": sum(len(c) for _, c in teacher_samples),
         "draft_vocab_size": len(vocab_ids) if vocab_ids else None,
-        "before": before,
-        "after": after,
+        "before": before[0],
+        "after": after[0],
         "history": history,
         "seconds": time.time() - started,
         "drafter_dir": str(out / "drafter"),
     }
+    if steering:
+        save_steering(out / "drafter", steering.verifier, steering.drafter, cfg.steering_max_offset)
+        unsteered = evaluations(steered=False)
+        report["after_unsteered"] = unsteered[0]
+        print("after, unsteered:", json.dumps(unsteered[0]))
+    if excluded_eval_samples:
+        report["excluded_categories"] = {"names": cfg.exclude_categories, "before": before[1], "after": after[1]}
+        if steering:
+            report["excluded_categories"]["after_unsteered"] = unsteered[1]
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out / 'drafter'} and {out / 'report.json'}")
     return report
+
+
+LIST_HELP = {
+    "init_layers": "comma-separated verifier layer indices the student starts from, e.g. 0,1,2,3",
+    "exclude_categories": "comma-separated prompt categories left out of training, e.g. translation",
+    "steering_layers": "comma-separated verifier layers the steering reads (3; default ~10%%, 50%%, 95%% of depth)",
+}
 
 
 def add_distill_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML recipe (keys as the flags, with underscores); flags override it")
     for f in dataclasses.fields(DistillConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "init_layers":
-            parser.add_argument(flag, help="comma-separated verifier layer indices the student starts from, e.g. 0,1,2,3")
+        if f.name in LIST_HELP:
+            parser.add_argument(flag, help=LIST_HELP[f.name])
         elif f.type in ("bool",):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
@@ -357,6 +464,13 @@ def config_from_args(args) -> DistillConfig:
             raise ConfigError(f"cannot read {args.config}: {err}") from None
     for f in dataclasses.fields(DistillConfig):
         value = getattr(args, f.name, None)
-        if value is not None:
-            data[f.name] = [int(x) for x in value.split(",") if x.strip()] if f.name == "init_layers" else value
+        if value is None:
+            continue
+        if f.name in LIST_HELP:
+            items = [x.strip() for x in value.split(",") if x.strip()]
+            try:
+                value = items if f.type == "list[str]" else [int(x) for x in items]
+            except ValueError:
+                raise ConfigError(f"--{f.name.replace('_', '-')} takes comma-separated integers, got '{value}'") from None
+        data[f.name] = value
     return build_dataclass(DistillConfig, data, "")

@@ -27,8 +27,12 @@ def is_drafter_checkpoint(source: str) -> bool:
     return (Path(source) / MARKER).is_file()
 
 
+def read_meta(directory: str) -> dict:
+    return json.loads((Path(directory) / MARKER).read_text())
+
+
 def base_model_of(directory: str) -> str:
-    return json.loads((Path(directory) / MARKER).read_text())["base_model"]
+    return read_meta(directory)["base_model"]
 
 
 def build_student(teacher: torch.nn.Module, layers: list[int], vocab_ids: list[int] | None) -> torch.nn.Module:
@@ -96,12 +100,14 @@ class ScatteredHead(torch.nn.Module):
         return full
 
 
-def load_drafter(directory: str, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
-    """Returns the student and the base model source (its tokenizer and shared weights)."""
+def load_drafter(directory: str, dtype: torch.dtype, scattered_head: bool = True) -> tuple[torch.nn.Module, str]:
+    """Returns the student and the base model source (its tokenizer and shared weights).
+    Without `scattered_head`, a reduced-vocabulary head answers over its own vocabulary
+    (`student.draft_vocab_ids`), as distillation trains it."""
     from specdec.models import load_model_weights_only
 
     path = Path(directory)
-    meta = json.loads((path / MARKER).read_text())
+    meta = read_meta(directory)
     config = AutoConfig.from_pretrained(path)
     student = AutoModelForCausalLM.from_config(config, dtype=dtype)
     vocab_file = path / "draft_vocab.json"
@@ -118,6 +124,6 @@ def load_drafter(directory: str, dtype: torch.dtype) -> tuple[torch.nn.Module, s
     missing, unexpected = student.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("lm_head.")]:
         raise ValueError(f"{directory}: checkpoint does not fit its config (missing {missing}, unexpected {unexpected})")
-    if vocab_ids is not None:
+    if vocab_ids is not None and scattered_head:
         student.lm_head = ScatteredHead(student.lm_head, student.draft_vocab_ids, config.vocab_size)
     return student, meta["base_model"]

@@ -51,6 +51,8 @@ def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
         max_context=engine.max_context,
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
+        steering_size=engine.steering_size,
+        steering_fingerprint=engine.steering_fingerprint,
     )
 
 

@@ -33,13 +33,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         tree = tree_from_proto(request.tree)
         if request.fused_tokens and len(tree):
             raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
-        result = self.engine.verify(session, request.round, tree, request.fused_tokens)
+        result = self.engine.verify(session, request.round, tree, request.fused_tokens, request.steering)
         return verifier_pb2.VerifyResponse(
             token_ids=result.token_ids,
             num_accepted_draft_tokens=result.num_accepted,
             committed_length=result.committed_length,
             compute_ms=result.compute_ms,
             handler_ms=(time.perf_counter() - start) * 1e3,
+            steering=common_pb2.Tensor(**result.steering) if result.steering else None,
+            steering_ms=result.steering_ms,
         )
 
     @reports_errors
@@ -51,7 +53,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 def start(config) -> tuple[grpc.Server, int]:
     """Loads the model and starts serving it; returns (grpc server, bound port)."""
     set_torch_threads(config.torch_threads)
-    engine = VerifierEngine(config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes)
+    engine = VerifierEngine(config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, config.steering_checkpoint)
     servicer = VerifierServicer(engine)
     server, bound, _ = start_server(
         lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),

@@ -1,5 +1,6 @@
 """The verifier's model-side logic: sessions with a KV cache of exactly the committed tokens,
-one-pass tree verification and verifier-only ("fused") generation."""
+one-pass tree verification, verifier-only ("fused") generation, and the SD² steering vector
+read from the hidden states of the last position each round reads."""
 from __future__ import annotations
 
 import threading
@@ -15,6 +16,7 @@ from specdec.models import ModelSpec, check_tree_attention, eos_token_ids, load_
 from specdec.rpc import ServiceError, invalid
 from specdec.sampling import Sampling, accept_greedy, accept_sampled, sample, warp_probs
 from specdec.sessions import SessionStore, check_context
+from specdec.steering import load_verifier_steering, vector_to_tensor_fields
 from specdec.tree import DraftTree, MalformedTree, verification_inputs
 
 
@@ -24,6 +26,8 @@ class RoundResult:
     num_accepted: int
     committed_length: int
     compute_ms: float
+    steering: dict | None = None  # common.Tensor fields of the steering vector, when asked for
+    steering_ms: float = 0.0
 
 
 @dataclass
@@ -42,7 +46,10 @@ class VerifierSession:
 
 
 class VerifierEngine:
-    def __init__(self, spec: ModelSpec, max_sessions: int = 64, session_ttl_s: float = 600.0, max_tree_nodes: int = 256):
+    def __init__(
+        self, spec: ModelSpec, max_sessions: int = 64, session_ttl_s: float = 600.0, max_tree_nodes: int = 256,
+        steering_checkpoint: str | None = None,
+    ):
         self.spec = spec
         self.model = load_model(spec)
         check_tree_attention(self.model)
@@ -54,6 +61,10 @@ class VerifierEngine:
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.sessions: SessionStore[VerifierSession] = SessionStore(max_sessions, session_ttl_s)
         self._model_lock = threading.Lock()  # one forward pass at a time on a shared model
+        self.steering, self.steering_fingerprint = None, ""
+        if steering_checkpoint:
+            self.steering, self.steering_fingerprint = load_verifier_steering(steering_checkpoint, self.model)
+        self.steering_size = self.model.config.hidden_size if self.steering else 0
 
     def open_session(self, session_id: str, context: list[int], sampling: Sampling) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
@@ -62,7 +73,7 @@ class VerifierEngine:
         self.sessions.put(session_id, session)
         return session
 
-    def verify(self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int) -> RoundResult:
+    def verify(self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False) -> RoundResult:
         with session.lock:
             if round_number == session.last_round and session.last_result is not None:
                 return session.last_result  # a retried round commits nothing twice
@@ -75,6 +86,8 @@ class VerifierEngine:
                 tree.validate(self.vocab_size)
             except MalformedTree as err:
                 raise invalid(str(err)) from None
+            if steering and self.steering is None:
+                raise invalid("steering was asked for, but this verifier has no steering checkpoint loaded (verifier.steering_checkpoint)")
             if len(tree) > self.max_tree_nodes:
                 raise invalid(f"tree has {len(tree)} nodes; this verifier takes at most {self.max_tree_nodes}")
             if len(session.tokens) + len(tree) + max(fused_tokens, 1) > self.max_context:
@@ -85,50 +98,58 @@ class VerifierEngine:
             start = time.perf_counter()
             with self._model_lock, torch.inference_mode():
                 if len(tree) == 0:
-                    new_tokens, num_accepted = self._generate(session, max(fused_tokens, 1)), 0
+                    (new_tokens, last_read), num_accepted = self._generate(session, max(fused_tokens, 1), steering), 0
                 else:
-                    new_tokens = self._verify_tree(session, tree)
+                    new_tokens, last_read = self._verify_tree(session, tree, steering)
                     num_accepted = len(new_tokens) - 1
+                steering_start = time.perf_counter()
+                vector = vector_to_tensor_fields(self.steering(last_read)) if steering else None
+                steering_ms = (time.perf_counter() - steering_start) * 1e3
             compute_ms = (time.perf_counter() - start) * 1e3
             session.tokens.extend(new_tokens)
-            result = RoundResult(new_tokens, num_accepted, len(session.tokens), compute_ms)
+            result = RoundResult(new_tokens, num_accepted, len(session.tokens), compute_ms, vector, steering_ms)
             session.last_round, session.last_result = round_number, result
             return result
 
-    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, **kwargs) -> torch.Tensor:
+    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, steering: bool, **kwargs):
+        """(logits of the last num_logits positions, hidden states of every layer or None)."""
         out = self.model(
             input_ids=torch.tensor([input_ids], device=self.model.device),
             past_key_values=session.cache,
             use_cache=True,
             logits_to_keep=num_logits,
+            output_hidden_states=steering,
             **kwargs,
         )
-        return out.logits[0].float()
+        return out.logits[0].float(), out.hidden_states
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor) -> int:
         if session.sampling.greedy:
             return int(logits.argmax())
         return sample(warp_probs(logits, session.sampling), session.generator)
 
-    def _generate(self, session: VerifierSession, max_tokens: int) -> list[int]:
+    def _generate(self, session: VerifierSession, max_tokens: int, steering: bool) -> tuple[list[int], tuple | None]:
+        """The new tokens, and (with steering) the hidden states of the last position read."""
         new: list[int] = []
         pending = session.tokens[session.num_cached :]
         for _ in range(max_tokens):
-            token = self._choose(session, self._forward(session, pending, 1)[-1])
+            logits, hidden = self._forward(session, pending, 1, steering)
+            token = self._choose(session, logits[-1])
             new.append(token)
             if token in self.eos_ids:
                 break
             pending = [token]
-        return new
+        return new, _at(hidden, -1)
 
-    def _verify_tree(self, session: VerifierSession, tree: DraftTree) -> list[int]:
+    def _verify_tree(self, session: VerifierSession, tree: DraftTree, steering: bool) -> tuple[list[int], tuple | None]:
         num_cached = session.num_cached
         pending = session.tokens[num_cached:]
         positions, mask = verification_inputs(tree, num_cached, len(pending))
-        logits = self._forward(
+        logits, hidden = self._forward(
             session,
             pending + tree.token_ids,
             len(tree) + 1,
+            steering,
             position_ids=positions.to(self.model.device),
             attention_mask=mask.to(self.model.device),
         )
@@ -138,5 +159,12 @@ class VerifierEngine:
             path, next_token = accept_sampled(tree, warp_probs(logits, session.sampling), session.generator)
         committed_len = num_cached + len(pending)
         keep_positions(session.cache, committed_len, [committed_len + node for node in path])
-        return [tree.token_ids[node] for node in path] + [next_token]
+        # The last position read is the last accepted node (or the root): its output gave the new token.
+        last_read = len(pending) + path[-1] if path else len(pending) - 1
+        return [tree.token_ids[node] for node in path] + [next_token], _at(hidden, last_read)
+
+
+def _at(hidden_states: tuple | None, position: int) -> tuple | None:
+    """Every layer's hidden state at one position of a single-sequence forward."""
+    return None if hidden_states is None else tuple(h[0, position] for h in hidden_states)
 

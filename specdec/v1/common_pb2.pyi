@@ -61,7 +61,7 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "hidden_size", "num_layers")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "hidden_size", "num_layers", "steering_size", "steering_fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class ModelInfo(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STEERING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEERING_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -76,7 +78,9 @@ class ModelInfo(_message.Message):
     max_context: int
     hidden_size: int
     num_layers: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    steering_size: int
+    steering_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., steering_size: _Optional[int] = ..., steering_fingerprint: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "round", "start", "new_token_ids", "committed_length", "num_draft_tokens", "verifier_tokenizer_fingerprint", "tree_shape", "assumed_token_ids")
+    __slots__ = ("session_id", "round", "start", "new_token_ids", "committed_length", "num_draft_tokens", "verifier_tokenizer_fingerprint", "tree_shape", "assumed_token_ids", "steering")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DraftRequest(_message.Message):
     VERIFIER_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TREE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEERING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     start: _common_pb2.SessionStart
@@ -27,16 +28,19 @@ class DraftRequest(_message.Message):
     verifier_tokenizer_fingerprint: str
     tree_shape: _common_pb2.TreeShape
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., verifier_tokenizer_fingerprint: _Optional[str] = ..., tree_shape: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    steering: _common_pb2.Tensor
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., verifier_tokenizer_fingerprint: _Optional[str] = ..., tree_shape: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tree", "assumed_token_ids", "compute_ms", "handler_ms")
+    __slots__ = ("tree", "assumed_token_ids", "compute_ms", "handler_ms", "steering_ms")
     TREE_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     HANDLER_MS_FIELD_NUMBER: _ClassVar[int]
+    STEERING_MS_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.DraftTree
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compute_ms: float
     handler_ms: float
-    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ...) -> None: ...
+    steering_ms: float
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ..., steering_ms: _Optional[float] = ...) -> None: ...
