@@ -53,7 +53,7 @@ class ServicePair:
         drafter, verifier = self.drafter_info, self.verifier_info
         if not drafter.steering_size or not verifier.steering_size:
             missing = [name for name, info in (("drafter", drafter), ("verifier", verifier)) if not info.steering_size]
-            return f"steering needs a steering checkpoint loaded in both services; the {' and '.join(missing)} has none (<service>.steering_checkpoint)"
+            return f"steering needs a steering checkpoint loaded in both services; the {' and '.join(missing)} has none (the config's steering_checkpoint)"
         if drafter.steering_fingerprint != verifier.steering_fingerprint or drafter.steering_size != verifier.steering_size:
             return "the drafter and the verifier loaded different steering checkpoints; both halves must come from one"
         return None

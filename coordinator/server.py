@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from coordinator.budget import BudgetController, Plan
-from coordinator.clients import PairMismatch, PairSession, ServicePair
+from coordinator.clients import PairSession, ServicePair
 from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
 from specdec.config import CoordinatorConfig
@@ -95,9 +95,12 @@ class Coordinator:
             raise invalid(str(err)) from None
         adaptive = request.adaptive if request.HasField("adaptive") else self.config.adaptive.enabled
         overlap = request.overlap if request.HasField("overlap") else self.config.overlap
-        steering = request.steering if request.HasField("steering") else self.config.steering
-        if steering and self.pair.steering_problem():
-            raise invalid(self.pair.steering_problem())
+        if request.HasField("steering"):
+            steering = request.steering
+            if steering and self.pair.steering_problem():
+                raise invalid(self.pair.steering_problem())
+        else:  # the server's default, where the pair can steer
+            steering = self.config.steering and self.pair.steering_problem() is None
         return max_new, budget, shape, adaptive, overlap, steering
 
     def generate(self, request: coordinator_pb2.GenerateRequest) -> Iterator[coordinator_pb2.GenerateResponse]:
@@ -175,9 +178,8 @@ def start(config, drafter_address: str, verifier_address: str, on_finished=None)
     drafter_address = _through_link(drafter_address, network.drafter, proxies)
     verifier_address = _through_link(verifier_address, network.verifier, proxies)
     pair = ServicePair(drafter_address, verifier_address, config.coordinator.request_timeout_s, proxies)
-    if config.coordinator.steering and pair.steering_problem():
-        pair.close()
-        raise PairMismatch(f"coordinator.steering is on, but {pair.steering_problem()}")
+    if config.resolved_steering_checkpoint() and pair.steering_problem():
+        log.warning("requests will not be steered: %s", pair.steering_problem())
     coordinator = Coordinator(config.coordinator, pair, config.verifier.model.source, on_finished)
     server, port = serve(coordinator, config.coordinator.host, config.coordinator.port)
     return server, port, coordinator

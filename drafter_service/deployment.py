@@ -11,4 +11,5 @@ from specdec.replica import GrpcReplica
 @serve.deployment(name="Drafter", num_replicas=1)
 class DrafterDeployment(GrpcReplica):
     def __init__(self, config: dict):
-        self._serving(*start(config_from_dict(config).drafter))
+        parsed = config_from_dict(config)
+        self._serving(*start(parsed.drafter, parsed.resolved_steering_checkpoint()))

@@ -40,7 +40,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         steering = None
         if request.HasField("steering"):
             if not self.engine.steering_size:
-                raise invalid("a steering vector was sent, but this drafter has no steering checkpoint loaded (drafter.steering_checkpoint)")
+                raise invalid("a steering vector was sent, but this drafter has no steering checkpoint loaded (the config's steering_checkpoint)")
             try:
                 steering = vector_from_tensor(request.steering, self.engine.steering_size)
             except SteeringError as err:
@@ -69,11 +69,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 
-def start(config) -> tuple[grpc.Server, int]:
-    """Loads the model and starts serving it; returns (grpc server, bound port)."""
+def start(config, steering_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
+    """Loads the model (and its half of a steering checkpoint) and starts serving it;
+    returns (grpc server, bound port)."""
     set_torch_threads(config.torch_threads)
     engine = DrafterEngine(
-        config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s, steering_checkpoint=config.steering_checkpoint
+        config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s, steering_checkpoint=steering_checkpoint
     )
     servicer = DrafterServicer(engine)
     server, bound, _ = start_server(

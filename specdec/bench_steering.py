@@ -64,7 +64,6 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
         (("distilled-only", False),),
     ]
     drafters = [steered, args.distilled_drafter]
-    steering_args = {"steering_checkpoint": steered}
     verifier = load_model(config.verifier.model)
     references = {name: [_hf_greedy(verifier, ids, args.max_new_tokens) for ids in chat[name]] for name in chat} if 0.0 in temperatures else {}
     del verifier
@@ -75,8 +74,8 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
             stack_args = {
                 **app_args,
                 "coordinator": {"port": port},
-                "drafter": {"model": {"source": drafter}, **(steering_args if i == 0 else {})},
-                "verifier": steering_args if i == 0 else {},
+                "drafter": {"model": {"source": drafter}},
+                "steering_checkpoint": steered if i == 0 else "",
             }
             address = start_stack(stack_args, port) if i == 0 else deploy(stack_args, port)
             client = CoordinatorClient(address)

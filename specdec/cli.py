@@ -45,17 +45,10 @@ def _app_args(args) -> dict:
     if args.overlap is not None:
         app_args["coordinator"]["overlap"] = args.overlap
     if args.steering is not None:
-        app_args.update(steering_overrides(args.steering, app_args))
-        app_args["coordinator"]["steering"] = True
+        app_args["coordinator"]["steering"] = args.steering
+    if args.steering_checkpoint is not None:
+        app_args["steering_checkpoint"] = args.steering_checkpoint
     return app_args
-
-
-def steering_overrides(checkpoint: str, app_args: dict) -> dict:
-    """Both services load their halves of this SD² checkpoint ("" = the drafter's own directory)."""
-    from specdec.app import build_config
-
-    checkpoint = checkpoint or build_config(app_args).drafter.model.source
-    return {name: {"steering_checkpoint": checkpoint} for name in ("drafter", "verifier")}
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,10 +56,14 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, help="draft the next round while this one is verified")
 
 
-def add_serve_steering_argument(parser: argparse.ArgumentParser) -> None:
+def add_serve_steering_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--steering", nargs="?", const="", metavar="CHECKPOINT",
-        help="SD² steering on by default: both services load their halves of CHECKPOINT (default: the drafter's own directory)",
+        "--steering", action=argparse.BooleanOptionalAction,
+        help="SD²: whether requests steer the drafter by default when the pair can (default: yes)",
+    )
+    parser.add_argument(
+        "--steering-checkpoint", metavar="DIR",
+        help="SD² checkpoint both services load their halves of (default: the drafter's own directory when it is one made for this verifier; '' = none)",
     )
 
 
@@ -172,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--num-draft-tokens", type=int, help="default draft tree nodes per round (0 = verifier only)")
     add_tree_arguments(serve)
     add_policy_arguments(serve)
-    add_serve_steering_argument(serve)
+    add_serve_steering_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running server and print round statistics")

@@ -13,6 +13,7 @@ import yaml
 
 from specdec.latency_proxy import LinkSettings
 from specdec.models import BUILTIN_DRAFTER, BUILTIN_SMOLLM2, ModelSpec
+from specdec.steering import is_steering_checkpoint_for
 from specdec.tree import TREE_METHODS, TreeShape
 
 
@@ -29,9 +30,6 @@ class ServiceConfig:
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
-    # SD²: a steering checkpoint (a drafter directory made by `specdec distill --steering`);
-    # each service loads its own half. Both services need the same one for a pair to steer.
-    steering_checkpoint: str | None = None
 
 
 @dataclass
@@ -80,7 +78,7 @@ class CoordinatorConfig:
     verifier_address: str | None = None
     network: NetworkConfig = field(default_factory=NetworkConfig)
     overlap: bool = False  # draft the next round while the verifier checks this one (PEARL)
-    steering: bool = False  # SD²: requests steer the drafter by default (needs steering_checkpoint on both services)
+    steering: bool = True  # SD²: requests steer the drafter by default whenever the pair has a steering checkpoint
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
 
@@ -90,6 +88,15 @@ class Config:
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(ModelSpec(BUILTIN_SMOLLM2)))
     drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(ModelSpec(BUILTIN_DRAFTER)))
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    # SD²: a checkpoint from `specdec distill --steering`; each service loads its own half.
+    # null = the drafter's own directory when it is one made for this verifier; "" = none.
+    steering_checkpoint: str | None = None
+
+    def resolved_steering_checkpoint(self) -> str | None:
+        if self.steering_checkpoint is not None:
+            return self.steering_checkpoint or None
+        drafter = self.drafter.model.source
+        return drafter if is_steering_checkpoint_for(drafter, self.verifier.model.source) else None
 
     def __post_init__(self):
         checks = [
@@ -117,8 +124,6 @@ class Config:
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
                 (service.model.dtype in ("float32", "float16", "bfloat16"), f"{name}.model.dtype must be float32, float16 or bfloat16"),
             ]
-        if self.coordinator.steering and not (self.drafter.steering_checkpoint and self.verifier.steering_checkpoint):
-            checks.append((False, "coordinator.steering needs drafter.steering_checkpoint and verifier.steering_checkpoint"))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

@@ -422,7 +422,7 @@ def run_distill(cfg: DistillConfig) -> dict:
         "drafter_dir": str(out / "drafter"),
     }
     if steering:
-        save_steering(out / "drafter", steering.verifier, steering.drafter, cfg.steering_max_offset)
+        save_steering(out / "drafter", cfg.verifier, steering.verifier, steering.drafter, cfg.steering_max_offset, cfg.dtype)
         unsteered = evaluations(steered=False)
         report["after_unsteered"] = unsteered[0]
         print("after, unsteered:", json.dumps(unsteered[0]))

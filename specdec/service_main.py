@@ -22,7 +22,8 @@ def run_service(name: str, start: Callable) -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        section = getattr(load_config(args.config), name)
+        config = load_config(args.config)
+        section = getattr(config, name)
     except ConfigError as err:
         parser.error(str(err))
     if args.model:
@@ -31,6 +32,6 @@ def run_service(name: str, start: Callable) -> None:
         section.model = dataclasses.replace(section.model, layers=args.layers)
     section.host = args.host or section.host
     section.port = args.port if args.port is not None else section.port
-    server, port = start(section)
+    server, port = start(section, config.resolved_steering_checkpoint())
     print(f"{name} serving {section.model.source} on {section.host}:{port}", flush=True)
     serve_until_terminated(server)

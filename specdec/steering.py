@@ -156,11 +156,14 @@ def gather_steering(vectors: torch.Tensor, source: torch.Tensor) -> torch.Tensor
 # Checkpoint: both halves in one file, plus what each side needs to rebuild its module.
 
 
-def save_steering(directory: Path, verifier_part: VerifierSteering, drafter_part: DrafterSteering, max_offset: int) -> None:
+def save_steering(
+    directory: Path, verifier: str, verifier_part: VerifierSteering, drafter_part: DrafterSteering, max_offset: int, dtype: str = "float16"
+) -> None:
     state = {f"verifier.{k}": v for k, v in verifier_part.state_dict().items()}
     state |= {f"drafter.{k}": v for k, v in drafter_part.state_dict().items()}
-    save_file({k: v.detach().float().contiguous() for k, v in state.items()}, directory / STEERING_FILE)
+    save_file({k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in state.items()}, directory / STEERING_FILE)
     meta = {
+        "verifier": verifier,  # the model the verifier half was trained on
         "verifier_layers": verifier_part.layers,
         "steering_size": verifier_part.proj.out_features,
         "drafter_layers": drafter_part.num_layers,
@@ -169,6 +172,16 @@ def save_steering(directory: Path, verifier_part: VerifierSteering, drafter_part
         "max_offset": max_offset,
     }
     (directory / STEERING_META).write_text(json.dumps(meta, indent=2))
+
+
+def is_steering_checkpoint_for(directory: str, verifier: str) -> bool:
+    """Whether `directory` holds a steering checkpoint trained with this verifier."""
+    from specdec.models import resolve_alias
+
+    path = Path(resolve_alias(directory))
+    if not (path / STEERING_FILE).is_file() or not (path / STEERING_META).is_file():
+        return False
+    return json.loads((path / STEERING_META).read_text()).get("verifier") == verifier
 
 
 def _read(directory: str) -> tuple[dict, dict[str, torch.Tensor], str]:
@@ -184,6 +197,7 @@ def _read(directory: str) -> tuple[dict, dict[str, torch.Tensor], str]:
 def load_verifier_steering(directory: str, model: torch.nn.Module) -> tuple[VerifierSteering, str]:
     """The verifier's half and the checkpoint's fingerprint (both halves must share it)."""
     meta, state, fingerprint = _read(directory)
+    state = {k: v.float() for k, v in state.items()}
     hidden, layers = model.config.hidden_size, meta["verifier_layers"]
     if meta["steering_size"] != hidden or max(layers) > model.config.num_hidden_layers:
         raise SteeringError(f"{directory}: steering made for a verifier of width {meta['steering_size']} reading layers {layers}; this verifier has width {hidden} and {model.config.num_hidden_layers} layers")
@@ -195,6 +209,7 @@ def load_verifier_steering(directory: str, model: torch.nn.Module) -> tuple[Veri
 def load_drafter_steering(directory: str, model: torch.nn.Module) -> tuple[DrafterSteering, str]:
     """The drafter's half, attached to `model`, and the checkpoint's fingerprint."""
     meta, state, fingerprint = _read(directory)
+    state = {k: v.float() for k, v in state.items()}
     part = DrafterSteering(meta["steering_size"], meta["drafter_layers"], meta["width"], meta["injection"])
     part.load_state_dict({k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")})
     part = part.to(model.dtype).eval()

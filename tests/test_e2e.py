@@ -57,6 +57,8 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
             assert tokens == expected, prompt
             stats = parts[-1].stats
             assert stats.rounds > 0 and stats.speculation_budget > 0 and stats.bytes_sent > 0
+            # The shipped drafter carries an SD² steering checkpoint, so the default pair steers.
+            assert stats.steering and stats.steering_bytes > 0
             assert parts[-1].finish_reason in ("stop", "length")
 
 

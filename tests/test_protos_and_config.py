@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.cli import _app_args, add_policy_arguments, add_serve_steering_argument, add_tree_arguments, main, tree_overrides
+from specdec.cli import _app_args, add_policy_arguments, add_serve_steering_arguments, add_tree_arguments, main, tree_overrides
 from specdec.config import ConfigError, config_from_dict, load_config
 from specdec.protos import REPO_ROOT, generate
 
@@ -85,13 +85,10 @@ def test_serve_flags_become_coordinator_settings():
     parser.add_argument("--config")
     add_tree_arguments(parser)
     add_policy_arguments(parser)
-    add_serve_steering_argument(parser)
+    add_serve_steering_arguments(parser)
     args = parser.parse_args(["--port", "5", "--num-draft-tokens", "16", "--tree", "rsd-s", "--adaptive", "--no-overlap"])
     coordinator = config_from_dict(_app_args(args)).coordinator
     assert (coordinator.port, coordinator.num_draft_tokens, coordinator.tree.method) == (5, 16, "rsd-s")
-    assert coordinator.adaptive.enabled is True and coordinator.overlap is False and coordinator.steering is False
-    # --steering alone: both services load the drafter's own steering checkpoint.
-    app_args = _app_args(parser.parse_args(["--port", "5", "--steering"]))
-    assert app_args["coordinator"]["steering"] is True
-    assert app_args["drafter"]["steering_checkpoint"] == app_args["verifier"]["steering_checkpoint"] == "smollm2-135m-drafter"
-    assert _app_args(parser.parse_args(["--port", "5", "--steering", "ckpt"]))["verifier"]["steering_checkpoint"] == "ckpt"
+    assert coordinator.adaptive.enabled is True and coordinator.overlap is False and coordinator.steering is True
+    config = config_from_dict(_app_args(parser.parse_args(["--port", "5", "--no-steering", "--steering-checkpoint", "ckpt"])))
+    assert config.coordinator.steering is False and config.resolved_steering_checkpoint() == "ckpt"

@@ -50,7 +50,7 @@ def steer_dirs(tmp_path_factory) -> dict[str, Path]:
         torch.nn.init.normal_(drafter_part.proj.weight, std=0.5)
         dirs[name] = root / name
         dirs[name].mkdir()
-        save_steering(dirs[name], verifier_part, drafter_part, max_offset=4)
+        save_steering(dirs[name], str(verifier), verifier_part, drafter_part, max_offset=4)
     dirs["gpt2_drafter"] = gpt2_drafter
     return dirs
 
@@ -60,12 +60,12 @@ def verifier4(steer_dirs):
     return load_model(ModelSpec(str(steer_dirs["verifier"])))
 
 
-def steer_config(dirs, steering: str | None = "steering", drafter="drafter", **coordinator) -> dict:
-    checkpoint = str(dirs[steering]) if steering else None
+def steer_config(dirs, steering: str | None = "steering", **coordinator) -> dict:
     return {
-        "verifier": {"model": str(dirs["verifier"]), "torch_threads": 1, "steering_checkpoint": str(dirs["steering"]) if steering else None},
-        "drafter": {"model": str(dirs[drafter]), "torch_threads": 1, "steering_checkpoint": checkpoint},
+        "verifier": {"model": str(dirs["verifier"]), "torch_threads": 1},
+        "drafter": {"model": str(dirs["drafter"]), "torch_threads": 1},
         "coordinator": {"num_draft_tokens": 3, **coordinator},
+        "steering_checkpoint": str(dirs[steering]) if steering else "",
     }
 
 
@@ -288,17 +288,28 @@ def test_pairs_that_cannot_steer_run_as_before_and_refuse_steering_requests(stee
             client.generate(generate_request(prompt_token_ids=PROMPTS[1], max_new_tokens=5, steering=True))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "steering checkpoint" in err.value.details()
         client.close()
-    # Halves of two different checkpoints.
-    with local_stack(steer_config(steer_dirs, steering="other_steering")) as stack:
-        client = CoordinatorClient(stack["coordinator"])
-        with pytest.raises(grpc.RpcError) as err:
-            client.generate(generate_request(prompt_token_ids=PROMPTS[1], max_new_tokens=5, steering=True))
-        assert "different steering checkpoints" in err.value.details()
-        client.close()
+    # Plain servers started with halves of two different checkpoints.
+    import drafter_service.server
+    import verifier_service.server
+    from coordinator.clients import ServicePair
+
+    config = config_from_dict(steer_config(steer_dirs))
+    v_server, v_port = verifier_service.server.start(config.verifier, str(steer_dirs["steering"]))
+    d_server, d_port = drafter_service.server.start(config.drafter, str(steer_dirs["other_steering"]))
+    pair = ServicePair(f"localhost:{d_port}", f"localhost:{v_port}")
+    assert "different steering checkpoints" in pair.steering_problem()
+    pair.close()
+    for server in (v_server, d_server):
+        server.stop(grace=None)
 
 
-def test_config_switch_needs_both_checkpoints(steer_dirs):
-    with pytest.raises(ConfigError, match="coordinator.steering needs"):
-        config_from_dict({"coordinator": {"steering": True}})
-    config = config_from_dict({**steer_config(steer_dirs), "coordinator": {"steering": True}})
-    assert config.coordinator.steering and config.drafter.steering_checkpoint == str(steer_dirs["steering"])
+def test_steering_checkpoint_defaults_to_the_drafters_own_directory(steer_dirs, tmp_path):
+    from specdec.models import BUILTIN_DRAFTER
+
+    assert config_from_dict({}).resolved_steering_checkpoint() == BUILTIN_DRAFTER  # the shipped drafter is steered
+    steered = {"drafter": {"model": str(steer_dirs["steering"])}, "verifier": {"model": str(steer_dirs["verifier"])}}
+    assert config_from_dict(steered).resolved_steering_checkpoint() == str(steer_dirs["steering"])
+    assert config_from_dict({**steered, "steering_checkpoint": ""}).resolved_steering_checkpoint() is None
+    assert config_from_dict({"drafter": {"model": str(steer_dirs["drafter"])}}).resolved_steering_checkpoint() is None
+    # A steering checkpoint made for another verifier is not picked up on its own.
+    assert config_from_dict({"drafter": {"model": str(steer_dirs["steering"])}}).resolved_steering_checkpoint() is None

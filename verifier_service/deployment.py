@@ -11,4 +11,5 @@ from verifier_service.server import start
 @serve.deployment(name="Verifier", num_replicas=1)
 class VerifierDeployment(GrpcReplica):
     def __init__(self, config: dict):
-        self._serving(*start(config_from_dict(config).verifier))
+        parsed = config_from_dict(config)
+        self._serving(*start(parsed.verifier, parsed.resolved_steering_checkpoint()))

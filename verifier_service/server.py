@@ -50,10 +50,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 
-def start(config) -> tuple[grpc.Server, int]:
-    """Loads the model and starts serving it; returns (grpc server, bound port)."""
+def start(config, steering_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
+    """Loads the model (and its half of a steering checkpoint) and starts serving it;
+    returns (grpc server, bound port)."""
     set_torch_threads(config.torch_threads)
-    engine = VerifierEngine(config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, config.steering_checkpoint)
+    engine = VerifierEngine(config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, steering_checkpoint)
     servicer = VerifierServicer(engine)
     server, bound, _ = start_server(
         lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),

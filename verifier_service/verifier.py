@@ -87,7 +87,7 @@ class VerifierEngine:
             except MalformedTree as err:
                 raise invalid(str(err)) from None
             if steering and self.steering is None:
-                raise invalid("steering was asked for, but this verifier has no steering checkpoint loaded (verifier.steering_checkpoint)")
+                raise invalid("steering was asked for, but this verifier has no steering checkpoint loaded (the config's steering_checkpoint)")
             if len(tree) > self.max_tree_nodes:
                 raise invalid(f"tree has {len(tree)} nodes; this verifier takes at most {self.max_tree_nodes}")
             if len(session.tokens) + len(tree) + max(fused_tokens, 1) > self.max_context:
