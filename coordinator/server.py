@@ -101,7 +101,8 @@ class Coordinator:
                 raise invalid(self.pair.steering_problem())
         else:  # the server's default, where the pair can steer
             steering = self.config.steering and self.pair.steering_problem() is None
-        return max_new, budget, shape, adaptive, overlap, steering
+        # With the verifier alone there is no drafter to steer.
+        return max_new, budget, shape, adaptive, overlap, steering and (adaptive or budget > 0)
 
     def generate(self, request: coordinator_pb2.GenerateRequest) -> Iterator[coordinator_pb2.GenerateResponse]:
         """One response per round with the new tokens and text; the last has finish_reason and stats."""

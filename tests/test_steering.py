@@ -244,10 +244,12 @@ def test_steering_changes_the_drafts_and_costs_two_vectors_per_round(steered_sta
         steer: client.generate(generate_request(prompt_token_ids=PROMPTS[0], max_new_tokens=40, num_draft_tokens=4, steering=steer))
         for steer in (True, False)
     }
-    client.close()
     assert answers[True].token_ids == answers[False].token_ids
     steered, plain = answers[True].stats, answers[False].stats
     assert plain.steering_bytes == 0 and not plain.steering
+    alone = client.generate(generate_request(prompt_token_ids=PROMPTS[0], max_new_tokens=10, num_draft_tokens=0, steering=True))
+    assert not alone.stats.steering and alone.stats.steering_bytes == 0  # nothing to steer without a drafter
+    client.close()
     # One float16 vector of the verifier's width in every verify answer, and again in every
     # draft request after the first (a last one-token round is the verifier's alone).
     drafts = steered.rounds - steered.plan_rounds.get("fused", 0)
