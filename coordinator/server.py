@@ -35,6 +35,7 @@ class Coordinator:
         self.eos_ids = set(info.eos_token_ids)
         self.vocab_size = info.vocab_size
         self.max_context = info.max_context
+        self.steering_problem = pair.steering_problem()  # None = the pair can steer; fixed at start
         adaptive = config.adaptive
         plans = [Plan(0)] + [Plan(b) for b in adaptive.chain_budgets] + [Plan(b, adaptive.tree_method) for b in adaptive.tree_budgets]
         # Greedy and sampled decoding accept differently, and overlap hides the drafter's
@@ -97,10 +98,10 @@ class Coordinator:
         overlap = request.overlap if request.HasField("overlap") else self.config.overlap
         if request.HasField("steering"):
             steering = request.steering
-            if steering and self.pair.steering_problem():
-                raise invalid(self.pair.steering_problem())
+            if steering and self.steering_problem:
+                raise invalid(self.steering_problem)
         else:  # the server's default, where the pair can steer
-            steering = self.config.steering and self.pair.steering_problem() is None
+            steering = self.config.steering and self.steering_problem is None
         # With the verifier alone there is no drafter to steer.
         return max_new, budget, shape, adaptive, overlap, steering and (adaptive or budget > 0)
 
@@ -179,9 +180,9 @@ def start(config, drafter_address: str, verifier_address: str, on_finished=None)
     drafter_address = _through_link(drafter_address, network.drafter, proxies)
     verifier_address = _through_link(verifier_address, network.verifier, proxies)
     pair = ServicePair(drafter_address, verifier_address, config.coordinator.request_timeout_s, proxies)
-    if config.resolved_steering_checkpoint() and pair.steering_problem():
-        log.warning("requests will not be steered: %s", pair.steering_problem())
     coordinator = Coordinator(config.coordinator, pair, config.verifier.model.source, on_finished)
+    if config.resolved_steering_checkpoint() and coordinator.steering_problem:
+        log.warning("requests will not be steered: %s", coordinator.steering_problem)
     server, port = serve(coordinator, config.coordinator.host, config.coordinator.port)
     return server, port, coordinator
 

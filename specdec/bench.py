@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.cli import add_tree_arguments, tree_overrides
-from specdec.prompts import PACKAGED_PROMPTS, evaluation_split, load_prompts
+from specdec.prompts import PACKAGED_PROMPTS, chat_ids, evaluation_split, load_prompts
 from specdec.tree import TREE_METHODS, TreeShape
 
 
@@ -103,10 +103,7 @@ def run_bench(args) -> int:
     app_args = {"coordinator": {"port": args.port}, **({"config_file": args.config} if args.config else {})}
     config = build_config(app_args)
     tokenizer = load_tokenizer(config.verifier.model.source)
-    chat_ids = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, return_dict=False)
-        for p in prompts
-    ]
+    prompt_ids = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
     if args.steering_ablation:
         from specdec.bench_steering import format_ablation, run_steering_ablation, write_ablation
 
@@ -119,7 +116,7 @@ def run_bench(args) -> int:
     if args.rtt_sweep:
         from specdec.bench_network import format_sweep, run_rtt_sweep, write_sweep
 
-        report = run_rtt_sweep(args, config, chat_ids, app_args)
+        report = run_rtt_sweep(args, config, prompt_ids, app_args)
         report["config"] = {
             "verifier": config.verifier.model.__dict__,
             "drafter": config.drafter.model.__dict__,
@@ -139,7 +136,7 @@ def run_bench(args) -> int:
 
     def through_services(budget: int, temperature: float, shape: TreeShape | None = None) -> Tally:
         tally = Tally()
-        for i, ids in enumerate(chat_ids):
+        for i, ids in enumerate(prompt_ids):
             request = generate_request(
                 prompt_token_ids=ids,
                 max_new_tokens=args.max_new_tokens,
@@ -155,7 +152,7 @@ def run_bench(args) -> int:
 
     def in_process(assisted: bool, temperature: float) -> Tally:
         tally = Tally()
-        for i, ids in enumerate(chat_ids):
+        for i, ids in enumerate(prompt_ids):
             torch.manual_seed(args.seed + i)
             inputs = torch.tensor([ids])
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}

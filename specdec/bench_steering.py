@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from specdec.drafter_checkpoint import is_drafter_checkpoint, read_meta
 from specdec.models import resolve_alias
-from specdec.prompts import evaluation_split, load_prompts
+from specdec.prompts import chat_ids, evaluation_split, load_prompts
 from specdec.tree import TreeShape
 
 VARIANTS = ("steered", "unsteered", "distilled-only")
@@ -53,10 +53,7 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
         raise SystemExit("--steering-ablation needs --distilled-drafter: the drafter distilled without steering on the same budget")
     ood = args.ood_categories.split(",") if args.ood_categories else excluded_categories(steered)
     sets = prompt_sets(args, ood)
-    chat = {
-        name: [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, return_dict=False) for p in prompts]
-        for name, prompts in sets.items()
-    }
+    chat = {name: [chat_ids(tokenizer, p["prompt"]) for p in prompts] for name, prompts in sets.items()}
     temperatures = [float(t) for t in args.temperature.split(",")]
     tree = shape.method
     stacks = [

@@ -33,7 +33,7 @@ from specdec.config import ConfigError, build_dataclass
 from specdec.divergences import DIVERGENCES, divergence
 from specdec.drafter_checkpoint import build_student, is_drafter_checkpoint, load_drafter, read_meta, save_drafter, set_head
 from specdec.models import BUILTIN_SMOLLM2, eos_token_ids, load_model_weights_only, load_tokenizer, resolve_alias
-from specdec.prompts import PACKAGED_PROMPTS, evaluation_split, load_prompts, training_split
+from specdec.prompts import PACKAGED_PROMPTS, chat_ids, evaluation_split, load_prompts, training_split
 from specdec.steering import DrafterSteering, VerifierSteering, cycled_offsets, default_layers, gather_steering, sample_offsets, save_steering
 
 DATA_MODES = ("teacher", "on-policy", "mixed")
@@ -92,10 +92,6 @@ class DistillConfig:
 
 
 Sample = tuple[list[int], list[int]]  # (prompt ids, continuation ids)
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False))
 
 
 def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

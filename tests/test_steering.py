@@ -315,3 +315,40 @@ def test_steering_checkpoint_defaults_to_the_drafters_own_directory(steer_dirs, 
     assert config_from_dict({"drafter": {"model": str(steer_dirs["drafter"])}}).resolved_steering_checkpoint() is None
     # A steering checkpoint made for another verifier is not picked up on its own.
     assert config_from_dict({"drafter": {"model": str(steer_dirs["steering"])}}).resolved_steering_checkpoint() is None
+
+
+def test_distill_flags_parse_comma_separated_lists():
+    import argparse
+
+    from specdec.distill import add_distill_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_distill_arguments(parser)
+    args = parser.parse_args(["--steering", "--exclude-categories", "translation, math", "--steering-layers", "2,9,17"])
+    cfg = config_from_args(args)
+    assert cfg.steering and cfg.exclude_categories == ["translation", "math"] and cfg.steering_layers == [2, 9, 17]
+    with pytest.raises(ConfigError, match="--steering-layers takes comma-separated integers"):
+        config_from_args(parser.parse_args(["--steering-layers", "a,b,c"]))
+
+
+def test_ablation_prompt_sets_and_checks(steering_runs):
+    import argparse
+
+    from specdec.bench_steering import excluded_categories, prompt_sets, steering_checks
+
+    joint = steering_runs["joint"]
+    assert excluded_categories(joint["drafter_dir"]) == ["c"]
+    args = argparse.Namespace(prompts=str(steering_runs["root"] / "prompts.jsonl"), num_prompts=4, skip_prompts=0)
+    sets = prompt_sets(args, ["c"])
+    assert {p["category"] for p in sets["in-distribution"]} == {"a", "b"} and {p["category"] for p in sets["out-of-distribution"]} == {"c"}
+    assert all(p["question_id"] % 4 == 0 for prompts in sets.values() for p in prompts)  # held out of training only
+
+    def row(variant, temperature, accepted, share=0.01, exact=1.0):
+        return {"steering": variant, "temperature": temperature, "prompt_set": "in-distribution", "mean_accepted_per_round": accepted,
+                "steering_share_of_round_time": share, "greedy_matches_hf_generate": exact}
+
+    checks = steering_checks([row("steered", 0, 1.12), row("unsteered", 0, 0.8), row("distilled-only", 0, 1.0),
+                              row("steered", 1, 1.12, share=0.05), row("unsteered", 1, 0.8), row("distilled-only", 1, 1.0)])
+    greedy, sampled = checks
+    assert greedy["gain_met"] and greedy["cost_under_3_percent"] and greedy["greedy_exact"]  # +12% meets the greedy bar of +10%
+    assert not sampled["gain_met"] and not sampled["cost_under_3_percent"]  # +12% misses the T=1 bar of +15%
