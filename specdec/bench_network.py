@@ -6,7 +6,8 @@ For each RTT the application is redeployed with the latency injector on both ser
 same held-out prompts, greedy and at T=1: fixed chains, fixed trees, the verifier alone
 (`fused`), and the adaptive controller with overlapped drafting off and on. The adaptive
 controllers first serve one untimed warm-up request (4x the length), in which they measure
-every plan, as a long-running server would have done long before.
+every plan, as a long-running server would have done long before. The policies take turns on
+each prompt, so a drift in the machine's speed during the run hits them all alike.
 Writes JSON rows (`rtt_ms`, `policy`, ...), a plot of tokens/s against RTT, and the checks.
 """
 from __future__ import annotations
@@ -54,20 +55,21 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
             address = start_stack(rtt_args, port) if i == 0 else deploy(rtt_args, port)
             client = CoordinatorClient(address)
             for temperature in temperatures:
-                for name, fields in tqdm(policies, desc=f"RTT {rtt:g} ms, T={temperature:g}", unit="policy"):
-                    def request(j: int, ids: list[int], length: int = args.max_new_tokens):
-                        return generate_request(prompt_token_ids=ids, max_new_tokens=length, temperature=temperature, seed=args.seed + j, **fields)
+                def request(j: int, ids: list[int], fields: dict, length: int = args.max_new_tokens):
+                    return generate_request(prompt_token_ids=ids, max_new_tokens=length, temperature=temperature, seed=args.seed + j, **fields)
 
+                for name, fields in policies:
                     if fields.get("adaptive"):  # untimed warm-up: the controller measures every plan first
-                        client.generate(request(len(chat_ids), chat_ids[-1], 4 * args.max_new_tokens))
-                    tokens, seconds, stats = 0, 0.0, []
-                    for j, ids in enumerate(chat_ids):
+                        client.generate(request(len(chat_ids), chat_ids[-1], fields, 4 * args.max_new_tokens))
+                measured = {name: {"tokens": 0, "seconds": 0.0, "stats": []} for name, _ in policies}
+                for j, ids in enumerate(tqdm(chat_ids, desc=f"RTT {rtt:g} ms, T={temperature:g}", unit="prompt")):
+                    for name, fields in policies:
                         start = time.perf_counter()
-                        response = client.generate(request(j, ids))
-                        seconds += time.perf_counter() - start
-                        tokens += len(response.token_ids)
-                        stats.append(response.stats)
-                    rows.append(_row(rtt, name, temperature, tokens, seconds, stats))
+                        response = client.generate(request(j, ids, fields))
+                        measured[name]["seconds"] += time.perf_counter() - start
+                        measured[name]["tokens"] += len(response.token_ids)
+                        measured[name]["stats"].append(response.stats)
+                rows += [_row(rtt, name, temperature, **m) for name, m in measured.items()]
             client.close()
     finally:
         if not args.address:

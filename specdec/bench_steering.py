@@ -17,11 +17,10 @@ import json
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from specdec.drafter_checkpoint import is_drafter_checkpoint, read_meta
-from specdec.models import resolve_alias
+from specdec.models import hf_greedy, resolve_alias
 from specdec.prompts import chat_ids, evaluation_split, load_prompts
 from specdec.tree import TreeShape
 
@@ -62,7 +61,7 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
     ]
     drafters = [steered, args.distilled_drafter]
     verifier = load_model(config.verifier.model)
-    references = {name: [_hf_greedy(verifier, ids, args.max_new_tokens) for ids in chat[name]] for name in chat} if 0.0 in temperatures else {}
+    references = {name: [hf_greedy(verifier, ids, args.max_new_tokens) for ids in chat[name]] for name in chat} if 0.0 in temperatures else {}
     del verifier
     rows = []
     try:
@@ -113,13 +112,6 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
         "results": rows,
         "checks": steering_checks(rows),
     }
-
-
-def _hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
-    inputs = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids) :].tolist()
 
 
 def _row(variant, drafter, temperature, set_name, categories, tree, budget, tokens, seconds, stats) -> dict:

@@ -127,6 +127,15 @@ def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:
         model.config.layer_types = model.config.layer_types[:num_layers]
 
 
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The model's own greedy `generate()` continuation: the reference that every exact
+    decoding path must equal token for token."""
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """Two tokenizers with the same fingerprint turn text into the same ids and back."""
     payload = json.dumps(

@@ -19,7 +19,8 @@ from specdec.distill import DistillConfig, run_distill
 from specdec.divergences import divergence
 from specdec.models import ModelSpec, load_model
 from tests.conftest import local_stack
-from tests.test_services import hf_greedy, sampled_first_two_tokens
+from specdec.models import hf_greedy
+from tests.test_services import sampled_first_two_tokens
 
 P = torch.tensor([0.5, 0.25, 0.25])
 Q = torch.tensor([0.25, 0.25, 0.5])

@@ -8,10 +8,9 @@ import urllib.request
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.models import BUILTIN_SMOLLM2, ModelSpec, load_model, load_tokenizer
+from specdec.models import BUILTIN_SMOLLM2, ModelSpec, hf_greedy, load_model, load_tokenizer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import free_port
 
@@ -52,9 +51,7 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
             parts = list(stub.GenerateStream(request, timeout=600))
             tokens = [t for p in parts for t in p.token_ids]
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")["input_ids"]
-            with torch.inference_mode():
-                expected = verifier.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, do_sample=False)[0, ids.shape[1] :].tolist()
-            assert tokens == expected, prompt
+            assert tokens == hf_greedy(verifier, ids[0].tolist(), 128), prompt
             stats = parts[-1].stats
             assert stats.rounds > 0 and stats.speculation_budget > 0 and stats.bytes_sent > 0
             # The shipped drafter carries an SD² steering checkpoint, so the default pair steers.
@@ -74,10 +71,7 @@ def test_draft_trees_with_the_default_pair_match_generate(ray_stack, method):
             prompt_token_ids=ids, max_new_tokens=64, num_draft_tokens=16, tree=common_pb2.TreeShape(method=method)
         )
         reply = stub.Generate(request, timeout=600)
-    with torch.inference_mode():
-        inputs = torch.tensor([ids])
-        expected = verifier.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=64, do_sample=False)[0, len(ids) :]
-    assert list(reply.token_ids) == expected.tolist()
+    assert list(reply.token_ids) == hf_greedy(verifier, ids, 64)
     assert reply.stats.tree_method == method and reply.stats.accepted_draft_tokens > 0
 
 

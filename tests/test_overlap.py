@@ -12,7 +12,7 @@ from specdec.client import CoordinatorClient, generate_request
 from specdec.tree import TREE_METHODS
 from tests.conftest import local_stack, tiny_config
 from tests.stats import assert_matches_distribution
-from tests.test_services import hf_greedy
+from specdec.models import hf_greedy
 from tests.test_trees import SERVICE_PROMPTS, tree_request
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec.client import CoordinatorClient, generate_request
+from specdec.models import hf_greedy
 from specdec.rpc import MeasuredClient
 from specdec.v1 import common_pb2, verifier_pb2
 from specdec.wire import VERIFIER_SERVICE
@@ -23,13 +24,6 @@ def client(tiny_stack):
     c = CoordinatorClient(tiny_stack["coordinator"])
     yield c
     c.close()
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 6])

@@ -28,7 +28,8 @@ from specdec.steering import (
 )
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.conftest import local_stack
-from tests.test_services import hf_greedy, sampled_first_two_tokens
+from specdec.models import hf_greedy
+from tests.test_services import sampled_first_two_tokens
 from tests.tiny_models import build_model_dir
 
 PROMPTS = [[1, 5, 9, 4], [1, 7, 7, 3, 11], [1, 12, 6]]

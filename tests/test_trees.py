@@ -22,7 +22,8 @@ from specdec.v1 import common_pb2
 from specdec.wire import shape_from_proto, shape_to_proto, tree_from_proto, tree_to_proto
 from tests.conftest import local_stack, tiny_config
 from tests.stats import assert_matches_distribution
-from tests.test_services import hf_greedy, sampled_first_two_tokens
+from specdec.models import hf_greedy
+from tests.test_services import sampled_first_two_tokens
 from tests.tiny_models import build_model_dir
 
 VOCAB = 5
