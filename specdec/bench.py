@@ -45,6 +45,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     network.add_argument("--rtt-sweep", help="comma-separated round-trip times in ms to inject on both service links, e.g. 0,5,20,50,100")
     network.add_argument("--sweep-chains", default="1,2,4,8", help="fixed chain budgets of the sweep (also the adaptive candidates)")
     network.add_argument("--sweep-trees", default="16,32", help="fixed tree budgets of the sweep (also the adaptive candidates)")
+    network.add_argument(
+        "--sweep-overlap-chains", default="4", help="fixed chain budgets also run with overlapped drafting, to show what overlap hides where speculation runs ('' = none)"
+    )
     network.add_argument("--jitter-ms", type=float, default=0.0, help="standard deviation of each direction's delay")
     network.add_argument("--bandwidth-mbps", type=float, default=0.0, help="bandwidth cap per direction; 0 = none")
     steering = parser.add_argument_group("SD² steering ablation (instead of the method comparison; first of --trees and --budgets)")

@@ -4,7 +4,9 @@ round-trip time, side by side on the same prompts.
 For each RTT the application is redeployed with the latency injector on both service links
 (half the RTT each way; `--jitter-ms`, `--bandwidth-mbps`), then these policies run on the
 same held-out prompts, greedy and at T=1: fixed chains, fixed trees, the verifier alone
-(`fused`), and the adaptive controller with overlapped drafting off and on. The adaptive
+(`fused`), the adaptive controller with overlapped drafting off and on, and chosen fixed chains
+with overlapped drafting on (`--sweep-overlap-chains`), which show what overlap hides wherever
+speculation runs, whether or not the adaptive controller chooses it. The adaptive
 controllers first serve one untimed warm-up request (4x the length), in which they measure
 every plan, as a long-running server would have done long before. The policies take turns on
 each prompt, so a drift in the machine's speed during the run hits them all alike.
@@ -19,11 +21,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 
-def sweep_policies(chains: list[int], trees: list[int], tree_method: str) -> list[tuple[str, dict]]:
+def sweep_policies(chains: list[int], trees: list[int], tree_method: str, overlap_chains: list[int] = ()) -> list[tuple[str, dict]]:
     """(policy name, GenerateRequest fields) for every policy of the sweep."""
     from specdec.v1 import common_pb2
 
     policies = [(f"chain-{b}", {"num_draft_tokens": b, "adaptive": False, "overlap": False}) for b in chains]
+    policies += [(f"chain-{b}+overlap", {"num_draft_tokens": b, "adaptive": False, "overlap": True}) for b in overlap_chains]
     policies += [
         (f"{tree_method}-{b}", {"num_draft_tokens": b, "tree": common_pb2.TreeShape(method=tree_method), "adaptive": False, "overlap": False})
         for b in trees
@@ -44,7 +47,8 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
     temperatures = [float(t) for t in args.temperature.split(",")]
     chains = [int(b) for b in args.sweep_chains.split(",")]
     trees = [int(b) for b in args.sweep_trees.split(",")]
-    policies = sweep_policies(chains, trees, config.coordinator.adaptive.tree_method)
+    overlap_chains = [int(b) for b in args.sweep_overlap_chains.split(",") if b]
+    policies = sweep_policies(chains, trees, config.coordinator.adaptive.tree_method, overlap_chains)
     adaptive = {"chain_budgets": chains, "tree_budgets": trees}
     rows = []
     try:
@@ -125,6 +129,9 @@ def sweep_checks(rows: list[dict]) -> list[dict]:
                     "adaptive_vs_best_fixed": adaptive / fixed[best],
                     "adaptive_vs_fused": adaptive / fixed["fused"],
                     "overlap_on_vs_off": at["adaptive+overlap"]["tokens_per_second"] / adaptive,
+                    "fixed_overlap_on_vs_off": {
+                        p: r["tokens_per_second"] / at[p.removesuffix("+overlap")]["tokens_per_second"] for p, r in at.items() if p.startswith("chain-") and p.endswith("+overlap")
+                    },
                     "wire_share_of_round_time": {p: r["wire_share"] for p, r in at.items()},
                 }
             )
@@ -167,10 +174,15 @@ def format_sweep(report: dict) -> str:
             f"| {r['rtt_ms']:g} | {r['temperature']:g} | {r['policy']} | {r['tokens_per_second']:.2f} | {accepted} | "
             f"{r['mean_budget']:.1f} | {r['overlap_hits']} | {r['wire_share']:.1%} |"
         )
-    lines += ["", "| RTT ms | T | best fixed | adaptive / best fixed | adaptive / fused | overlap on / off |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| RTT ms | T | best fixed | adaptive / best fixed | adaptive / fused | overlap on / off (adaptive) | overlap on / off (fixed chains) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in report["checks"]:
+        fixed_overlap = ", ".join(f"{p.removesuffix('+overlap')}: {ratio:.2f}" for p, ratio in c["fixed_overlap_on_vs_off"].items()) or "-"
         lines.append(
             f"| {c['rtt_ms']:g} | {c['temperature']:g} | {c['best_fixed']} | {c['adaptive_vs_best_fixed']:.2f} | "
-            f"{c['adaptive_vs_fused']:.2f} | {c['overlap_on_vs_off']:.2f} |"
+            f"{c['adaptive_vs_fused']:.2f} | {c['overlap_on_vs_off']:.2f} | {fixed_overlap} |"
         )
     return "\n".join(lines)

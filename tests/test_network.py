@@ -94,3 +94,26 @@ def test_coordinator_measures_the_injected_latency(tiny_dirs):
 def test_bad_link_settings_are_refused(link, phrase):
     with pytest.raises(ConfigError, match=phrase):
         config_from_dict({"coordinator": {"network": {"drafter": link}}})
+
+
+def test_sweep_policies_and_checks_compare_like_with_like():
+    """The sweep runs every policy the issue lists (plus overlapped fixed chains) and its checks
+    divide the right rows: adaptive by the best fixed policy and by fused, overlap on by off."""
+    from specdec.bench_network import format_sweep, sweep_checks, sweep_policies
+
+    policies = dict(sweep_policies([1, 2, 4, 8], [16, 32], "rsd-s", [4]))
+    assert list(policies) == [
+        "chain-1", "chain-2", "chain-4", "chain-8", "chain-4+overlap", "rsd-s-16", "rsd-s-32", "fused", "adaptive", "adaptive+overlap",
+    ]
+    assert policies["chain-4+overlap"]["overlap"] and not policies["chain-4"]["overlap"] and policies["rsd-s-16"]["tree"].method == "rsd-s"
+    assert policies["fused"]["num_draft_tokens"] == 0 and policies["adaptive+overlap"] == {"adaptive": True, "overlap": True}
+
+    speeds = {"chain-4": 5.0, "chain-4+overlap": 6.0, "rsd-s-16": 4.0, "fused": 10.0, "adaptive": 9.6, "adaptive+overlap": 9.0}
+    rows = [{"rtt_ms": 20.0, "temperature": 0.0, "policy": p, "tokens_per_second": v, "wire_share": 0.1} for p, v in speeds.items()]
+    (check,) = sweep_checks(rows)
+    assert check["best_fixed"] == "fused"
+    assert check["adaptive_vs_best_fixed"] == pytest.approx(0.96) and check["adaptive_vs_fused"] == pytest.approx(0.96)
+    assert check["overlap_on_vs_off"] == pytest.approx(9.0 / 9.6)
+    assert check["fixed_overlap_on_vs_off"] == {"chain-4+overlap": pytest.approx(1.2)}
+    table = format_sweep({"results": [{**r, "mean_accepted_per_round": None, "mean_budget": 0.0, "overlap_hits": 0} for r in rows], "checks": [check]})
+    assert "| 20 | 0 | fused | 0.96 | 0.96 | 0.94 | chain-4: 1.20 |" in table
