@@ -46,14 +46,11 @@ class RoundReport:
 
 class Ema:
     """An exponentially weighted mean whose old samples fade by `decay` per new one,
-    normalised by the summed weights (no bias toward zero at the start). An optional prior
-    counts as `prior_weight` samples of `prior`: an optimistic one makes a rarely measured
-    plan worth measuring again before it is written off on one unlucky round."""
+    normalised by the summed weights (no bias toward zero at the start)."""
 
-    def __init__(self, decay: float, prior: float | None = None, prior_weight: float = 0.0):
+    def __init__(self, decay: float):
         self.decay = decay
         self.total = self.weights = 0.0
-        self.prior, self.prior_weight = prior, prior_weight if prior is not None else 0.0
 
     def add(self, x: float) -> None:
         self.total = self.decay * self.total + x
@@ -61,9 +58,15 @@ class Ema:
 
     @property
     def value(self) -> float | None:
-        if self.weights + self.prior_weight == 0:
+        return self.value_with(0.0, 0.0)
+
+    def value_with(self, prior: float, prior_weight: float) -> float | None:
+        """The mean with `prior` counted as `prior_weight` samples: an optimistic prior makes
+        a rarely measured plan worth measuring again before it is written off on one unlucky
+        round."""
+        if self.weights + prior_weight == 0:
             return None
-        return (self.total + self.prior_weight * (self.prior or 0.0)) / (self.weights + self.prior_weight)
+        return (self.total + prior_weight * prior) / (self.weights + prior_weight)
 
     def get(self, default: float) -> float:
         value = self.value
@@ -105,8 +108,7 @@ class BudgetController:
         self.fused_block = fused_block
         self.revisit_every = revisit_every
         self.reach: dict[int, Ema] = {}  # chains: depth d -> P(accepted >= d)
-        # Optimistic priors: every chain draft accepted; a tree of b nodes accepting b / 4.
-        self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY, max(p.budget / 4, 1.0), self.PRIOR_WEIGHT) for p in self.plans}
+        self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}
         self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
         self.verify_ms = VerifyCostLine(self.COMPUTE_DECAY)
         self.step_ms = Ema(self.COMPUTE_DECAY)  # fused: one generated token
@@ -116,11 +118,21 @@ class BudgetController:
         self._lock = threading.Lock()
 
     def expected_accepted(self, plan: Plan) -> float:
+        """Acceptance estimates start optimistic, so that a plan is not written off on one
+        unlucky round, but only as far as the measurements allow: the first chain depth
+        starts at 'always accepted'; a deeper one at the rate the depth before it kept
+        (reach[d-1] / reach[d-2]), so the rarely measured depths of a long chain do not
+        look perfect; a tree starts at twice what the best chain is expected to accept
+        (at most a quarter of its nodes, at least 1)."""
         if plan.method != "chain":
-            return self.tree_accepted[plan].get(0.0)
-        total, reach = 0.0, 1.0
+            chains = [self.expected_accepted(p) for p in self.plans if p.method == "chain" and p.budget]
+            prior = max(1.0, min(plan.budget / 4, 2 * max(chains))) if chains else max(plan.budget / 4, 1.0)
+            return self.tree_accepted[plan].value_with(prior, self.PRIOR_WEIGHT)
+        total, reach, previous = 0.0, 1.0, 1.0
         for d in range(1, plan.budget + 1):
-            reach = min(reach, self.reach[d].get(1.0)) if d in self.reach else reach
+            prior = reach * reach / previous if d > 1 else 1.0
+            measured = self.reach[d].value_with(prior, self.PRIOR_WEIGHT) if d in self.reach else prior
+            previous, reach = reach, min(reach, measured)
             total += reach
         return total
 
@@ -157,6 +169,6 @@ class BudgetController:
             self.verify_ms.add(report.verified_tokens, report.verify_ms)
             if plan.method == "chain":
                 for d in range(1, report.depth + 1):
-                    self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY, 1.0, self.PRIOR_WEIGHT)).add(float(report.accepted >= d))
+                    self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
             else:
                 self.tree_accepted[plan].add(report.accepted)
