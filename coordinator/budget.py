@@ -130,7 +130,7 @@ class BudgetController:
             return self.tree_accepted[plan].value_with(prior, self.PRIOR_WEIGHT)
         total, reach, previous = 0.0, 1.0, 1.0
         for d in range(1, plan.budget + 1):
-            prior = reach * reach / previous if d > 1 else 1.0
+            prior = 1.0 if d == 1 else (reach * reach / previous if previous else 0.0)
             measured = self.reach[d].value_with(prior, self.PRIOR_WEIGHT) if d in self.reach else prior
             previous, reach = reach, min(reach, measured)
             total += reach
