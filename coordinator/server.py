@@ -14,6 +14,7 @@ from coordinator.output import OutputTracker
 from specdec.config import CoordinatorConfig
 from specdec.latency_proxy import LatencyProxy
 from specdec.models import load_tokenizer
+from specdec.prompts import chat_ids
 from specdec.rpc import invalid, reports_errors, start_server
 from specdec.sampling import validate_sampling
 from specdec.tree import TreeShape
@@ -62,9 +63,7 @@ class Coordinator:
             if request.use_chat_template:
                 if not self.tokenizer.chat_template:
                     raise invalid("use_chat_template: the verifier's tokenizer has no chat template")
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": request.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+                ids = chat_ids(self.tokenizer, request.prompt)
             else:
                 ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
         else:

@@ -17,9 +17,8 @@ from specdec.client import CoordinatorClient, generate_request
 from specdec.config import ConfigError, build_dataclass
 from specdec.distill import DistillConfig, run_distill
 from specdec.divergences import divergence
-from specdec.models import ModelSpec, load_model
+from specdec.models import ModelSpec, hf_greedy, load_model
 from tests.conftest import local_stack
-from specdec.models import hf_greedy
 from tests.test_services import sampled_first_two_tokens
 
 P = torch.tensor([0.5, 0.25, 0.25])

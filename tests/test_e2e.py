@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.models import BUILTIN_SMOLLM2, ModelSpec, hf_greedy, load_model, load_tokenizer
+from specdec.prompts import chat_ids
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import free_port
 
@@ -50,8 +51,7 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
             request = coordinator_pb2.GenerateRequest(prompt=prompt, use_chat_template=True, max_new_tokens=128)
             parts = list(stub.GenerateStream(request, timeout=600))
             tokens = [t for p in parts for t in p.token_ids]
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")["input_ids"]
-            assert tokens == hf_greedy(verifier, ids[0].tolist(), 128), prompt
+            assert tokens == hf_greedy(verifier, chat_ids(tokenizer, prompt), 128), prompt
             stats = parts[-1].stats
             assert stats.rounds > 0 and stats.speculation_budget > 0 and stats.bytes_sent > 0
             # The shipped drafter carries an SD² steering checkpoint, so the default pair steers.
@@ -64,7 +64,7 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
 def test_draft_trees_with_the_default_pair_match_generate(ray_stack, method):
     tokenizer = load_tokenizer(BUILTIN_SMOLLM2)
     verifier = load_model(ModelSpec(BUILTIN_SMOLLM2))
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": UNSEEN_PROMPTS[1]}], add_generation_prompt=True, return_dict=False)
+    ids = chat_ids(tokenizer, UNSEEN_PROMPTS[1])
     with grpc.insecure_channel(ray_stack) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         request = coordinator_pb2.GenerateRequest(

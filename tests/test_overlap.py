@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from specdec.client import CoordinatorClient, generate_request
+from specdec.models import hf_greedy
 from specdec.tree import TREE_METHODS
 from tests.conftest import local_stack, tiny_config
 from tests.stats import assert_matches_distribution
-from specdec.models import hf_greedy
 from tests.test_trees import SERVICE_PROMPTS, tree_request
 
 

@@ -10,6 +10,7 @@ import torch
 
 from specdec.client import CoordinatorClient, generate_request
 from specdec.models import hf_greedy
+from specdec.prompts import chat_ids
 from specdec.rpc import MeasuredClient
 from specdec.v1 import common_pb2, verifier_pb2
 from specdec.wire import VERIFIER_SERVICE
@@ -40,7 +41,7 @@ def test_greedy_is_token_identical_to_generate(client, tiny_stack, tiny_verifier
 def test_text_prompt_chat_template_and_stats(client, tiny_stack, tiny_verifier):
     tokenizer = tiny_stack["coordinator_obj"].tokenizer
     response = client.generate(generate_request("w5 w6", use_chat_template=True, max_new_tokens=30))
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}], add_generation_prompt=True, return_dict=False)
+    ids = chat_ids(tokenizer, "w5 w6")
     assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 30)
     assert response.text == tokenizer.decode(response.token_ids, skip_special_tokens=True)
     stats = response.stats

@@ -13,7 +13,7 @@ import torch
 from specdec.client import CoordinatorClient, generate_request
 from specdec.config import ConfigError, build_dataclass, config_from_dict
 from specdec.distill import DistillConfig, run_distill
-from specdec.models import ModelSpec, load_model
+from specdec.models import ModelSpec, hf_greedy, load_model
 from specdec.steering import (
     DrafterSteering,
     SteeringError,
@@ -28,7 +28,6 @@ from specdec.steering import (
 )
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.conftest import local_stack
-from specdec.models import hf_greedy
 from tests.test_services import sampled_first_two_tokens
 from tests.tiny_models import build_model_dir
 

@@ -15,14 +15,13 @@ from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
 from drafter_service.tree_builders import NextToken, builder_for
 from specdec.client import CoordinatorClient, generate_request
 from specdec.kv_cache import keep_positions
-from specdec.models import ModelSpec, UnsupportedModel, check_tree_attention, load_model
+from specdec.models import ModelSpec, UnsupportedModel, check_tree_attention, hf_greedy, load_model
 from specdec.sampling import accept_greedy, accept_sampled
 from specdec.tree import ROOT, TREE_METHODS, DraftTree, Proposal, TreeShape, node_inputs, verification_inputs
 from specdec.v1 import common_pb2
 from specdec.wire import shape_from_proto, shape_to_proto, tree_from_proto, tree_to_proto
 from tests.conftest import local_stack, tiny_config
 from tests.stats import assert_matches_distribution
-from specdec.models import hf_greedy
 from tests.test_services import sampled_first_two_tokens
 from tests.tiny_models import build_model_dir
 
