@@ -14,6 +14,7 @@ of accepted tokens per round, and the checks of the steering issue.
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -116,7 +117,9 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
 
 def _row(variant, drafter, temperature, set_name, categories, tree, budget, tokens, seconds, stats) -> dict:
     rounds = sum(s.rounds for s in stats)
-    speculative = sum(s.rounds - s.plan_rounds.get("fused", 0) for s in stats)
+    # Per prompt, in prompt order, so the checks can resample prompts for a confidence interval.
+    accepted = [s.accepted_draft_tokens for s in stats]
+    speculative = [s.rounds - s.plan_rounds.get("fused", 0) for s in stats]
     total_ms = sum(s.total_ms for s in stats)
     steering_ms = sum(s.verify_steering_ms + s.draft_steering_ms for s in stats)
     return {
@@ -129,7 +132,9 @@ def _row(variant, drafter, temperature, set_name, categories, tree, budget, toke
         "budget": budget if variant != "verifier-only" else 0,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
         "generated_tokens": tokens,
-        "mean_accepted_per_round": sum(s.accepted_draft_tokens for s in stats) / speculative if speculative else None,
+        "mean_accepted_per_round": sum(accepted) / sum(speculative) if sum(speculative) else None,
+        "accepted_per_prompt": accepted,
+        "speculative_rounds_per_prompt": speculative,
         "steering_bytes_per_round": sum(s.steering_bytes for s in stats) / rounds,
         "verify_steering_ms_per_round": sum(s.verify_steering_ms for s in stats) / rounds,
         "draft_steering_ms_per_round": sum(s.draft_steering_ms for s in stats) / rounds,
@@ -145,6 +150,23 @@ def _add_speedups(rows: list[dict]) -> None:
         row["speedup_vs_verifier_only"] = row["tokens_per_second"] / base["tokens_per_second"]
 
 
+def gain_interval(treated: dict, control: dict, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% paired-bootstrap interval of treated's accepted-per-round gain over control's.
+
+    Prompts are resampled with replacement, the same draw for both rows (they decoded the
+    same prompts), and the gain is a ratio of sums, as in the rows' means."""
+    n = len(treated["accepted_per_prompt"])
+    rng = random.Random(seed)
+    gains = []
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        rates = [sum(r["accepted_per_prompt"][i] for i in picks) / max(1, sum(r["speculative_rounds_per_prompt"][i] for i in picks)) for r in (treated, control)]
+        if rates[1] > 0:
+            gains.append(rates[0] / rates[1] - 1)
+    gains.sort()
+    return gains[int(0.025 * len(gains))], gains[int(0.975 * len(gains)) - 1]
+
+
 def steering_checks(rows: list[dict]) -> list[dict]:
     """The bar of the steering issue, evaluated on this run."""
     checks = []
@@ -155,6 +177,7 @@ def steering_checks(rows: list[dict]) -> list[dict]:
             "temperature": temperature,
             "prompt_set": set_name,
             "accepted_gain_vs_distilled_only": gain,
+            "accepted_gain_vs_distilled_only_95ci": gain_interval(at["steered"], at["distilled-only"]),
             "accepted_gain_vs_unsteered": at["steered"]["mean_accepted_per_round"] / at["unsteered"]["mean_accepted_per_round"] - 1,
             "required_gain": 0.10 if temperature == 0 else 0.15,
             "steering_share_of_round_time": at["steered"]["steering_share_of_round_time"],
@@ -185,6 +208,7 @@ def format_ablation(report: dict) -> str:
     for c in report["checks"]:
         lines.append(
             f"{c['prompt_set']}, T={c['temperature']:g}: steered vs distilled-only {c['accepted_gain_vs_distilled_only']:+.1%} "
+            f"(95% CI over prompts {c['accepted_gain_vs_distilled_only_95ci'][0]:+.1%} to {c['accepted_gain_vs_distilled_only_95ci'][1]:+.1%}) "
             f"(bar {c['required_gain']:+.0%}: {'met' if c['gain_met'] else 'NOT met'}), vs unsteered {c['accepted_gain_vs_unsteered']:+.1%}, "
             f"steering {c['steering_share_of_round_time']:.2%} of round time"
         )

@@ -344,11 +344,16 @@ def test_ablation_prompt_sets_and_checks(steering_runs):
     assert all(p["question_id"] % 4 == 0 for prompts in sets.values() for p in prompts)  # held out of training only
 
     def row(variant, temperature, accepted, share=0.01, exact=1.0):
-        return {"steering": variant, "temperature": temperature, "prompt_set": "in-distribution", "mean_accepted_per_round": accepted,
+        # Four prompts of 10 speculative rounds each; `accepted` per prompt.
+        return {"steering": variant, "temperature": temperature, "prompt_set": "in-distribution", "mean_accepted_per_round": sum(accepted) / 40,
+                "accepted_per_prompt": accepted, "speculative_rounds_per_prompt": [10] * 4,
                 "steering_share_of_round_time": share, "greedy_matches_hf_generate": exact}
 
-    checks = steering_checks([row("steered", 0, 1.12), row("unsteered", 0, 0.8), row("distilled-only", 0, 1.0),
-                              row("steered", 1, 1.12, share=0.05), row("unsteered", 1, 0.8), row("distilled-only", 1, 1.0)])
+    steered, distilled = [12, 11, 11, 11], [10, 10, 10, 10]  # +12.5%
+    checks = steering_checks([row("steered", 0, steered), row("unsteered", 0, [8] * 4), row("distilled-only", 0, distilled),
+                              row("steered", 1, steered, share=0.05), row("unsteered", 1, [8] * 4), row("distilled-only", 1, distilled)])
     greedy, sampled = checks
-    assert greedy["gain_met"] and greedy["cost_under_3_percent"] and greedy["greedy_exact"]  # +12% meets the greedy bar of +10%
-    assert not sampled["gain_met"] and not sampled["cost_under_3_percent"]  # +12% misses the T=1 bar of +15%
+    assert greedy["gain_met"] and greedy["cost_under_3_percent"] and greedy["greedy_exact"]  # +12.5% meets the greedy bar of +10%
+    low, high = greedy["accepted_gain_vs_distilled_only_95ci"]
+    assert 0.10 <= low < greedy["accepted_gain_vs_distilled_only"] < high <= 0.20  # resampled prompts gain +10% to +20%
+    assert not sampled["gain_met"] and not sampled["cost_under_3_percent"]  # +12.5% misses the T=1 bar of +15%
