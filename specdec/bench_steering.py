@@ -232,7 +232,9 @@ def write_ablation(report: dict, out: Path) -> list[Path]:
         ax.bar(VARIANTS, values, color=["tab:green", "tab:gray", "tab:blue"])
         for i, value in enumerate(values):
             ax.text(i, value, f"{value:.2f}", ha="center", va="bottom")
-        ax.set_title(f"{set_name}, T = {temperature:g}")
+        check = next(c for c in report["checks"] if c["prompt_set"] == set_name and c["temperature"] == temperature)
+        low, high = check["accepted_gain_vs_distilled_only_95ci"]
+        ax.set_title(f"{set_name}, T = {temperature:g}\nsteered vs distilled-only {check['accepted_gain_vs_distilled_only']:+.0%} (95% CI {low:+.0%} to {high:+.0%})", fontsize=10)
         ax.set_ylabel("accepted draft tokens per round")
     fig.suptitle(f"SD² steering ablation ({report['tree']}, {report['budget']} draft tokens per round)")
     fig.tight_layout()
