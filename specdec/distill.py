@@ -191,8 +191,12 @@ def _steered(steering: SteeringPair | None, hidden_states, mask: torch.Tensor, o
 def evaluate(student, teacher, samples: list[Sample], pad: int, vocab_ids, steering: SteeringPair | None = None, depth: int = 4, batch: int = 8) -> dict:
     """Agreement, acceptance and accepted tokens per verify call along teacher greedy text.
     Steered, each position reads the vector from o = 1..k positions back, cycling, as in
-    rounds of k drafts."""
+    rounds of k drafts. `by_offset` splits agreement and acceptance by o (for an unsteered
+    drafter, by the same cycle of positions, so the two compare): in a live round the first
+    drafts weigh most."""
     agree, accept, positions = 0.0, 0.0, 0
+    cycle = steering.max_offset if steering else depth
+    by_offset = torch.zeros(3, cycle)  # agreement, acceptance, positions
     accepted_per_call: list[int] = []
     for start in range(0, len(samples), batch):
         chunk = samples[start : start + batch]
@@ -203,9 +207,13 @@ def evaluate(student, teacher, samples: list[Sample], pad: int, vocab_ids, steer
         with _steered(steering, out.hidden_states, mask, offsets):
             q_logp = _student_full_logp(student(input_ids=ids, attention_mask=mask).logits, vocab_ids, p_logp.shape[-1])
         matches = (p_logp.argmax(-1) == q_logp.argmax(-1)) & loss_mask
+        overlap = torch.minimum(p_logp.exp(), q_logp.exp()).sum(-1) * loss_mask
         agree += float(matches.sum())
-        accept += float((torch.minimum(p_logp.exp(), q_logp.exp()).sum(-1) * loss_mask).sum())
+        accept += float(overlap.sum())
         positions += int(loss_mask.sum())
+        column_offset = torch.arange(ids.shape[1]) % cycle  # the offset o - 1 that cycled_offsets gives each column
+        for i, per_position in enumerate((matches.float(), overlap, loss_mask.float())):
+            by_offset[i].index_add_(0, column_offset, per_position.sum(0))
         for row in range(len(chunk)):
             hits = matches[row][loss_mask[row]].tolist()
             t = 0
@@ -220,6 +228,11 @@ def evaluate(student, teacher, samples: list[Sample], pad: int, vocab_ids, steer
         "sampling_acceptance_t1": accept / positions,
         f"accepted_per_verify_call_depth{depth}": sum(accepted_per_call) / len(accepted_per_call),
         "positions": positions,
+        "by_offset": {
+            str(o + 1): {"greedy_agreement": float(by_offset[0, o] / by_offset[2, o]), "sampling_acceptance_t1": float(by_offset[1, o] / by_offset[2, o]), "positions": int(by_offset[2, o])}
+            for o in range(cycle)
+            if by_offset[2, o] > 0
+        },
     }
 
 

@@ -189,7 +189,12 @@ def test_joint_training_writes_both_halves_and_reports_the_ablation(steering_run
     meta = json.loads((drafter_dir / "steering.json").read_text())
     assert meta["verifier_layers"] == [1, 2, 4] and meta["injection"] == "swiglu" and meta["max_offset"] == 4
     for key in ("before", "after", "after_unsteered"):
-        assert joint[key]["positions"] > 0
+        report = joint[key]
+        assert report["positions"] > 0
+        parts = report["by_offset"].values()  # offsets 1..4 split the same positions
+        assert set(report["by_offset"]) == {"1", "2", "3", "4"} and sum(o["positions"] for o in parts) == report["positions"]
+        for metric in ("greedy_agreement", "sampling_acceptance_t1"):
+            assert sum(o[metric] * o["positions"] for o in parts) / report["positions"] == pytest.approx(report[metric])
     assert joint["excluded_categories"]["names"] == ["c"] and joint["excluded_eval_question_ids"]
     assert not set(joint["train_question_ids"]) & {q for q in range(60) if q % 3 == 2}
     losses = [h["loss"] for h in joint["history"]]
