@@ -34,7 +34,7 @@ from specdec.divergences import DIVERGENCES, divergence
 from specdec.drafter_checkpoint import build_student, is_drafter_checkpoint, load_drafter, read_meta, save_drafter, set_head
 from specdec.models import BUILTIN_SMOLLM2, eos_token_ids, load_model_weights_only, load_tokenizer, resolve_alias
 from specdec.prompts import PACKAGED_PROMPTS, chat_ids, evaluation_split, load_prompts, training_split
-from specdec.steering import DrafterSteering, VerifierSteering, cycled_offsets, default_layers, gather_steering, sample_offsets, save_steering
+from specdec.steering import DrafterSteering, VerifierSteering, cycled_offsets, default_layers, gather_steering, round_offsets, sample_offsets, save_steering
 
 DATA_MODES = ("teacher", "on-policy", "mixed")
 
@@ -211,7 +211,7 @@ def evaluate(student, teacher, samples: list[Sample], pad: int, vocab_ids, steer
         agree += float(matches.sum())
         accept += float(overlap.sum())
         positions += int(loss_mask.sum())
-        column_offset = torch.arange(ids.shape[1]) % cycle  # the offset o - 1 that cycled_offsets gives each column
+        column_offset = round_offsets(ids.shape[1], cycle) - 1  # the offset each column was steered from, less one
         for i, per_position in enumerate((matches.float(), overlap, loss_mask.float())):
             by_offset[i].index_add_(0, column_offset, per_position.sum(0))
         for row in range(len(chunk)):

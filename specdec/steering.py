@@ -140,11 +140,15 @@ def sample_offsets(present: torch.Tensor, max_offset: int, generator: torch.Gene
     return source.clamp_min(0), (source >= 0) & present
 
 
+def round_offsets(width: int, max_offset: int) -> torch.Tensor:
+    """Offsets 1, 2, ..., k, 1, 2, ... along `width` positions: each position's place in rounds of k drafts."""
+    return torch.arange(width) % max_offset + 1
+
+
 def cycled_offsets(batch: int, width: int, max_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For evaluation: offsets 1, 2, ..., k, 1, 2, ... as in rounds of k drafts, each steered by
-    the position before the round."""
-    offsets = torch.arange(width) % max_offset + 1
-    source = torch.arange(width) - offsets
+    """For evaluation: offsets as in rounds of k drafts (`round_offsets`), each steered by the
+    position before the round."""
+    source = torch.arange(width) - round_offsets(width, max_offset)
     return source.clamp_min(0)[None].expand(batch, width), (source >= 0)[None].expand(batch, width)
 
 
