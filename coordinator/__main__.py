@@ -6,8 +6,8 @@ import argparse
 import logging
 
 from coordinator.server import start
-from specdec.config import ConfigError, load_config
-from specdec.rpc import serve_until_terminated
+from specdec.serving.config import ConfigError, load_config
+from specdec.serving.rpc import serve_until_terminated
 
 
 def main() -> None:

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.rpc import CallCost, MeasuredClient
-from specdec.tree import TreeShape
+from specdec.core.tree import TreeShape
+from specdec.serving.rpc import CallCost, MeasuredClient
+from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE, shape_to_proto
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specdec.wire import DRAFTER_SERVICE, VERIFIER_SERVICE, shape_to_proto
 
 # Codes after which a service has lost (or never had) the session: re-open with the context.
 _REOPEN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)

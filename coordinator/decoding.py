@@ -9,7 +9,7 @@ from typing import Iterator
 
 from coordinator.budget import BudgetController, Plan, RoundReport
 from coordinator.clients import PairSession
-from specdec.tree import ROOT, DraftTree, TreeShape
+from specdec.core.tree import ROOT, DraftTree, TreeShape
 from specdec.v1 import coordinator_pb2
 
 

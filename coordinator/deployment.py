@@ -9,8 +9,8 @@ from ray.serve.handle import DeploymentHandle
 
 from coordinator.metrics import RequestMetrics
 from coordinator.server import start
-from specdec.config import config_from_dict
-from specdec.replica import GrpcReplica
+from specdec.serving.config import config_from_dict
+from specdec.serving.replica import GrpcReplica
 
 
 @serve.deployment(name="Coordinator", num_replicas=1)

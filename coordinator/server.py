@@ -11,15 +11,15 @@ from coordinator.budget import BudgetController, Plan
 from coordinator.clients import PairSession, ServicePair
 from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
-from specdec.config import CoordinatorConfig
-from specdec.latency_proxy import LatencyProxy
-from specdec.models import load_tokenizer
-from specdec.prompts import chat_ids
-from specdec.rpc import invalid, reports_errors, start_server
-from specdec.sampling import validate_sampling
-from specdec.tree import TreeShape
+from specdec.core.models import load_tokenizer
+from specdec.core.prompts import chat_ids
+from specdec.core.sampling import validate_sampling
+from specdec.core.tree import TreeShape
+from specdec.serving.config import CoordinatorConfig
+from specdec.serving.latency_proxy import LatencyProxy
+from specdec.serving.rpc import invalid, reports_errors, start_server
+from specdec.serving.wire import COORDINATOR_SERVICE, shape_from_proto
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from specdec.wire import COORDINATOR_SERVICE, shape_from_proto
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from ray import serve
 
 from drafter_service.server import start
-from specdec.config import config_from_dict
-from specdec.replica import GrpcReplica
+from specdec.serving.config import config_from_dict
+from specdec.serving.replica import GrpcReplica
 
 
 @serve.deployment(name="Drafter", num_replicas=1)

@@ -13,13 +13,21 @@ import torch
 from transformers import DynamicCache
 
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.kv_cache import keep_positions, truncate
-from specdec.models import ModelSpec, check_tree_attention, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
-from specdec.rpc import ServiceError, invalid
-from specdec.sampling import Sampling, warp_probs
-from specdec.sessions import SessionStore, check_context
-from specdec.steering import load_drafter_steering
-from specdec.tree import ROOT, DraftTree, Proposal, TreeShape, node_inputs
+from specdec.core.kv_cache import keep_positions, truncate
+from specdec.core.models import (
+    ModelSpec,
+    check_tree_attention,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    max_context,
+    tokenizer_fingerprint,
+)
+from specdec.core.sampling import Sampling, warp_probs
+from specdec.core.steering import load_drafter_steering
+from specdec.core.tree import ROOT, DraftTree, Proposal, TreeShape, node_inputs
+from specdec.serving.rpc import ServiceError, invalid
+from specdec.serving.sessions import SessionStore, check_context
 
 
 @dataclass

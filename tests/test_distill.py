@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.client import CoordinatorClient, generate_request
-from specdec.config import ConfigError, build_dataclass
-from specdec.distill import DistillConfig, run_distill
-from specdec.divergences import divergence
-from specdec.models import ModelSpec, hf_greedy, load_model
+from specdec.core.models import ModelSpec, hf_greedy, load_model
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.config import ConfigError, build_dataclass
+from specdec.train.distill import DistillConfig, run_distill
+from specdec.train.divergences import divergence
 from tests.conftest import local_stack
 from tests.test_services import sampled_first_two_tokens
 

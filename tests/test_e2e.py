@@ -10,8 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.models import BUILTIN_SMOLLM2, ModelSpec, hf_greedy, load_model, load_tokenizer
-from specdec.prompts import chat_ids
+from specdec.core.hub import BUILTIN_SMOLLM2
+from specdec.core.models import ModelSpec, hf_greedy, load_model, load_tokenizer
+from specdec.core.prompts import chat_ids
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import free_port
 
@@ -24,7 +25,7 @@ UNSEEN_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def ray_stack():
-    from specdec.launch import start_stack, stop_stack
+    from specdec.serving.launch import start_stack, stop_stack
 
     port = free_port()
     address = start_stack({"coordinator": {"port": port}}, port)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from specdec.client import CoordinatorClient, generate_request
-from specdec.config import ConfigError, config_from_dict
-from specdec.latency_proxy import LatencyProxy, LinkSettings
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.config import ConfigError, config_from_dict
+from specdec.serving.latency_proxy import LatencyProxy, LinkSettings
 from tests.conftest import local_stack, tiny_config
 
 
@@ -102,7 +102,7 @@ def test_bad_link_settings_are_refused(link, phrase):
 def test_sweep_policies_and_checks_compare_like_with_like():
     """The sweep runs every policy the issue lists (plus overlapped fixed chains) and its checks
     divide the right rows: adaptive by the best fixed policy and by fused, overlap on by off."""
-    from specdec.bench_network import format_sweep, sweep_checks, sweep_policies
+    from specdec.bench.network import format_sweep, sweep_checks, sweep_policies
 
     policies = dict(sweep_policies([1, 2, 4, 8], [16, 32], "rsd-s", [4]))
     assert list(policies) == [

@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specdec.client import CoordinatorClient, generate_request
-from specdec.models import hf_greedy
-from specdec.tree import TREE_METHODS
+from specdec.core.models import hf_greedy
+from specdec.core.tree import TREE_METHODS
+from specdec.serving.client import CoordinatorClient, generate_request
 from tests.conftest import local_stack, tiny_config
 from tests.stats import assert_matches_distribution
 from tests.test_trees import SERVICE_PROMPTS, tree_request

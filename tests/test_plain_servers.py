@@ -5,9 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-
-from specdec.client import CoordinatorClient, generate_request
-from specdec.rpc import wait_until_serving
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.rpc import wait_until_serving
 from tests.conftest import free_port
 
 

@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from specdec.cli import _app_args, add_policy_arguments, add_serve_steering_arguments, add_tree_arguments, main, tree_overrides
-from specdec.config import ConfigError, config_from_dict, load_config
-from specdec.protos import REPO_ROOT, generate
+from specdec.cli import _app_args, main
+from specdec.serving.cli_args import (
+    add_policy_arguments,
+    add_serve_steering_arguments,
+    add_tree_arguments,
+    tree_overrides,
+)
+from specdec.serving.config import ConfigError, config_from_dict, load_config
+from specdec.serving.protos import REPO_ROOT, generate
 
 
 def test_generated_code_is_current(tmp_path):
@@ -18,7 +24,7 @@ def test_generated_code_is_current(tmp_path):
     committed = REPO_ROOT / "specdec" / "v1"
     assert fresh == sorted(p.name for p in committed.iterdir() if p.suffix in (".py", ".pyi"))
     stale = [name for name in fresh if not filecmp.cmp(tmp_path / "specdec" / "v1" / name, committed / name, shallow=False)]
-    assert not stale, f"run `python -m specdec.protos`: {stale} differ from protos/"
+    assert not stale, f"run `python -m specdec.serving.protos`: {stale} differ from protos/"
 
 
 def test_default_config_is_the_builtin_pair():

@@ -6,10 +6,20 @@ import itertools
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from specdec.sampling import Sampling, accept_greedy, accept_sampled, validate_sampling, warp_probs
-from specdec.tree import ROOT, DraftTree, Proposal
+from specdec.core.sampling import (
+    Sampling,
+    accept_greedy,
+    accept_sampled,
+    validate_sampling,
+    warp_probs,
+)
+from specdec.core.tree import ROOT, DraftTree, Proposal
 from tests.stats import assert_matches_distribution
 
 

@@ -8,12 +8,12 @@ import grpc
 import pytest
 import torch
 
-from specdec.client import CoordinatorClient, generate_request
-from specdec.models import hf_greedy
-from specdec.prompts import chat_ids
-from specdec.rpc import MeasuredClient
+from specdec.core.models import hf_greedy
+from specdec.core.prompts import chat_ids
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.rpc import MeasuredClient
+from specdec.serving.wire import VERIFIER_SERVICE
 from specdec.v1 import common_pb2, verifier_pb2
-from specdec.wire import VERIFIER_SERVICE
 from tests.conftest import local_stack, tiny_config
 from tests.stats import assert_matches_distribution
 

@@ -10,11 +10,8 @@ import grpc
 import pytest
 import torch
 
-from specdec.client import CoordinatorClient, generate_request
-from specdec.config import ConfigError, build_dataclass, config_from_dict
-from specdec.distill import DistillConfig, run_distill
-from specdec.models import ModelSpec, hf_greedy, load_model
-from specdec.steering import (
+from specdec.core.models import ModelSpec, hf_greedy, load_model
+from specdec.core.steering import (
     DrafterSteering,
     SteeringError,
     VerifierSteering,
@@ -26,6 +23,9 @@ from specdec.steering import (
     vector_from_tensor,
     vector_to_tensor_fields,
 )
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.config import ConfigError, build_dataclass, config_from_dict
+from specdec.train.distill import DistillConfig, run_distill
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.conftest import local_stack
 from tests.test_services import sampled_first_two_tokens
@@ -200,7 +200,7 @@ def test_joint_training_writes_both_halves_and_reports_the_ablation(steering_run
     losses = [h["loss"] for h in joint["history"]]
     assert sum(losses[-5:]) < sum(losses[:5])
     # Each service loads its half from the one checkpoint.
-    from specdec.steering import load_drafter_steering, load_verifier_steering
+    from specdec.core.steering import load_drafter_steering, load_verifier_steering
 
     _, f1 = load_verifier_steering(str(drafter_dir), load_model(ModelSpec(str(Path(joint["recipe"]["verifier"])))))
     _, f2 = load_drafter_steering(str(drafter_dir), load_model(ModelSpec(str(drafter_dir))))
@@ -311,7 +311,7 @@ def test_pairs_that_cannot_steer_run_as_before_and_refuse_steering_requests(stee
 
 
 def test_steering_checkpoint_defaults_to_the_drafters_own_directory(steer_dirs, tmp_path):
-    from specdec.models import BUILTIN_DRAFTER
+    from specdec.core.hub import BUILTIN_DRAFTER
 
     assert config_from_dict({}).resolved_steering_checkpoint() == BUILTIN_DRAFTER  # the shipped drafter is steered
     steered = {"drafter": {"model": str(steer_dirs["steering"])}, "verifier": {"model": str(steer_dirs["verifier"])}}
@@ -325,7 +325,7 @@ def test_steering_checkpoint_defaults_to_the_drafters_own_directory(steer_dirs, 
 def test_distill_flags_parse_comma_separated_lists():
     import argparse
 
-    from specdec.distill import add_distill_arguments, config_from_args
+    from specdec.train.distill import add_distill_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_distill_arguments(parser)
@@ -339,7 +339,7 @@ def test_distill_flags_parse_comma_separated_lists():
 def test_ablation_prompt_sets_and_checks(steering_runs):
     import argparse
 
-    from specdec.bench_steering import excluded_categories, prompt_sets, steering_checks
+    from specdec.bench.steering import excluded_categories, prompt_sets, steering_checks
 
     joint = steering_runs["joint"]
     assert excluded_categories(joint["drafter_dir"]) == ["c"]

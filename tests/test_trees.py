@@ -13,13 +13,32 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
 
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.client import CoordinatorClient, generate_request
-from specdec.kv_cache import keep_positions
-from specdec.models import ModelSpec, UnsupportedModel, check_tree_attention, hf_greedy, load_model
-from specdec.sampling import accept_greedy, accept_sampled
-from specdec.tree import ROOT, TREE_METHODS, DraftTree, Proposal, TreeShape, node_inputs, verification_inputs
+from specdec.core.kv_cache import keep_positions
+from specdec.core.models import (
+    ModelSpec,
+    UnsupportedModel,
+    check_tree_attention,
+    hf_greedy,
+    load_model,
+)
+from specdec.core.sampling import accept_greedy, accept_sampled
+from specdec.core.tree import (
+    ROOT,
+    TREE_METHODS,
+    DraftTree,
+    Proposal,
+    TreeShape,
+    node_inputs,
+    verification_inputs,
+)
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.wire import (
+    shape_from_proto,
+    shape_to_proto,
+    tree_from_proto,
+    tree_to_proto,
+)
 from specdec.v1 import common_pb2
-from specdec.wire import shape_from_proto, shape_to_proto, tree_from_proto, tree_to_proto
 from tests.conftest import local_stack, tiny_config
 from tests.stats import assert_matches_distribution
 from tests.test_services import sampled_first_two_tokens

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from ray import serve
 
-from specdec.config import config_from_dict
-from specdec.replica import GrpcReplica
+from specdec.serving.config import config_from_dict
+from specdec.serving.replica import GrpcReplica
 from verifier_service.server import start
 
 

@@ -5,10 +5,15 @@ import time
 
 import grpc
 
-from specdec.models import set_torch_threads
-from specdec.rpc import invalid, reports_errors, start_server
+from specdec.core.models import set_torch_threads
+from specdec.serving.rpc import invalid, reports_errors, start_server
+from specdec.serving.wire import (
+    VERIFIER_SERVICE,
+    model_info,
+    sampling_from_proto,
+    tree_from_proto,
+)
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.wire import VERIFIER_SERVICE, model_info, sampling_from_proto, tree_from_proto
 from verifier_service.verifier import VerifierEngine
 
 

@@ -11,13 +11,27 @@ import grpc
 import torch
 from transformers import DynamicCache
 
-from specdec.kv_cache import keep_positions
-from specdec.models import ModelSpec, check_tree_attention, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
-from specdec.rpc import ServiceError, invalid
-from specdec.sampling import Sampling, accept_greedy, accept_sampled, sample, warp_probs
-from specdec.sessions import SessionStore, check_context
-from specdec.steering import load_verifier_steering, vector_to_tensor_fields
-from specdec.tree import DraftTree, MalformedTree, verification_inputs
+from specdec.core.kv_cache import keep_positions
+from specdec.core.models import (
+    ModelSpec,
+    check_tree_attention,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    max_context,
+    tokenizer_fingerprint,
+)
+from specdec.core.sampling import (
+    Sampling,
+    accept_greedy,
+    accept_sampled,
+    sample,
+    warp_probs,
+)
+from specdec.core.steering import load_verifier_steering, vector_to_tensor_fields
+from specdec.core.tree import DraftTree, MalformedTree, verification_inputs
+from specdec.serving.rpc import ServiceError, invalid
+from specdec.serving.sessions import SessionStore, check_context
 
 
 @dataclass

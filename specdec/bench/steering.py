@@ -20,10 +20,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specdec.drafter_checkpoint import is_drafter_checkpoint, read_meta
-from specdec.models import hf_greedy, resolve_alias
-from specdec.prompts import chat_ids, evaluation_split, load_prompts
-from specdec.tree import TreeShape
+from specdec.core.drafter_checkpoint import is_drafter_checkpoint, read_meta
+from specdec.core.hub import resolve_alias
+from specdec.core.models import hf_greedy
+from specdec.core.prompts import chat_ids, evaluation_split, load_prompts
+from specdec.core.tree import TreeShape
 
 VARIANTS = ("steered", "unsteered", "distilled-only")
 
@@ -43,10 +44,10 @@ def prompt_sets(args, ood: list[str]) -> dict[str, list[dict]]:
 
 
 def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeShape, budget: int) -> dict:
-    from specdec.client import CoordinatorClient, generate_request
-    from specdec.launch import deploy, start_stack, stop_stack
-    from specdec.models import load_model
-    from specdec.wire import shape_to_proto
+    from specdec.core.models import load_model
+    from specdec.serving.client import CoordinatorClient, generate_request
+    from specdec.serving.launch import deploy, start_stack, stop_stack
+    from specdec.serving.wire import shape_to_proto
 
     steered = args.steered_drafter or config.drafter.model.source
     if not args.distilled_drafter:

@@ -2,7 +2,7 @@
 
 `serve run deploy/serve.yaml` and `specdec serve` both build it here. Application args are
 either {"config_file": path} or the config mapping itself (or both: the mapping overrides
-the file), in the schema of specdec.config.
+the file), in the schema of specdec.serving.config.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ray.serve import Application
 
 from coordinator.deployment import CoordinatorDeployment
 from drafter_service.deployment import DrafterDeployment
-from specdec.config import Config, config_from_dict, config_to_dict, load_config
+from specdec.serving.config import Config, config_from_dict, config_to_dict, load_config
 from verifier_service.deployment import VerifierDeployment
 
 

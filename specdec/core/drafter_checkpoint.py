@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from specdec.core.hub import load_model_weights_only
+
 MARKER = "specdec_drafter.json"
 SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
 
@@ -104,8 +106,6 @@ def load_drafter(directory: str, dtype: torch.dtype, scattered_head: bool = True
     """Returns the student and the base model source (its tokenizer and shared weights).
     Without `scattered_head`, a reduced-vocabulary head answers over its own vocabulary
     (`student.draft_vocab_ids`), as distillation trains it."""
-    from specdec.models import load_model_weights_only
-
     path = Path(directory)
     meta = read_meta(directory)
     config = AutoConfig.from_pretrained(path)

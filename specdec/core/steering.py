@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdec.core.hub import resolve_alias
+
 STEERING_FILE = "steering.safetensors"
 STEERING_META = "steering.json"
 SWIGLU, MLP_BIAS = "swiglu", "mlp-bias"
@@ -180,8 +182,6 @@ def save_steering(
 
 def is_steering_checkpoint_for(directory: str, verifier: str) -> bool:
     """Whether `directory` holds a steering checkpoint trained with this verifier."""
-    from specdec.models import resolve_alias
-
     path = Path(resolve_alias(directory))
     if not (path / STEERING_FILE).is_file() or not (path / STEERING_META).is_file():
         return False
@@ -189,8 +189,6 @@ def is_steering_checkpoint_for(directory: str, verifier: str) -> bool:
 
 
 def _read(directory: str) -> tuple[dict, dict[str, torch.Tensor], str]:
-    from specdec.models import resolve_alias
-
     path = Path(resolve_alias(directory))
     if not (path / STEERING_FILE).is_file() or not (path / STEERING_META).is_file():
         raise SteeringError(f"{directory} is not a steering checkpoint: it lacks {STEERING_FILE} and {STEERING_META} (train one with specdec distill --steering)")

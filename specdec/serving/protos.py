@@ -1,6 +1,6 @@
 """Generates the Python gRPC code in specdec/v1 from protos/.
 
-The generated files are committed; `python -m specdec.protos` regenerates them, and a test
+The generated files are committed; `python -m specdec.serving.protos` regenerates them, and a test
 checks that the committed copy is current.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO_ROOT / "protos"
 
 

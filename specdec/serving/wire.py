@@ -1,9 +1,9 @@
 """Conversions between the wire messages and the in-process types."""
 from __future__ import annotations
 
-from specdec.rpc import invalid
-from specdec.sampling import Sampling, validate_sampling
-from specdec.tree import DraftTree, Proposal, TreeShape
+from specdec.core.sampling import Sampling, validate_sampling
+from specdec.core.tree import DraftTree, Proposal, TreeShape
+from specdec.serving.rpc import invalid
 from specdec.v1 import common_pb2
 
 VERIFIER_SERVICE = "specdec.v1.Verifier"

@@ -17,9 +17,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.cli import add_tree_arguments, tree_overrides
-from specdec.prompts import PACKAGED_PROMPTS, chat_ids, evaluation_split, load_prompts
-from specdec.tree import TREE_METHODS, TreeShape
+from specdec.core.prompts import (
+    PACKAGED_PROMPTS,
+    chat_ids,
+    evaluation_split,
+    load_prompts,
+)
+from specdec.core.tree import TREE_METHODS, TreeShape
+from specdec.serving.cli_args import add_tree_arguments, tree_overrides
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,11 +88,11 @@ class Tally:
 
 
 def run_bench(args) -> int:
-    from specdec.app import build_config
-    from specdec.client import CoordinatorClient, generate_request
-    from specdec.launch import start_stack, stop_stack
-    from specdec.models import load_model, load_tokenizer
-    from specdec.wire import shape_to_proto
+    from specdec.core.models import load_model, load_tokenizer
+    from specdec.serving.app import build_config
+    from specdec.serving.client import CoordinatorClient, generate_request
+    from specdec.serving.launch import start_stack, stop_stack
+    from specdec.serving.wire import shape_to_proto
 
     temperatures = [float(t) for t in args.temperature.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -108,7 +113,11 @@ def run_bench(args) -> int:
     tokenizer = load_tokenizer(config.verifier.model.source)
     prompt_ids = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
     if args.steering_ablation:
-        from specdec.bench_steering import format_ablation, run_steering_ablation, write_ablation
+        from specdec.bench.steering import (
+            format_ablation,
+            run_steering_ablation,
+            write_ablation,
+        )
 
         report = run_steering_ablation(args, config, app_args, tokenizer, shapes[trees[0]], budgets[0])
         report["config"] = {"verifier": config.verifier.model.__dict__, "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads()}
@@ -117,7 +126,7 @@ def run_bench(args) -> int:
         print("wrote " + ", ".join(map(str, written)))
         return 0
     if args.rtt_sweep:
-        from specdec.bench_network import format_sweep, run_rtt_sweep, write_sweep
+        from specdec.bench.network import format_sweep, run_rtt_sweep, write_sweep
 
         report = run_rtt_sweep(args, config, prompt_ids, app_args)
         report["config"] = {

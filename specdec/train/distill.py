@@ -29,12 +29,35 @@ import yaml
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from specdec.config import ConfigError, build_dataclass
-from specdec.divergences import DIVERGENCES, divergence
-from specdec.drafter_checkpoint import build_student, is_drafter_checkpoint, load_drafter, read_meta, save_drafter, set_head
-from specdec.models import BUILTIN_SMOLLM2, eos_token_ids, load_model_weights_only, load_tokenizer, resolve_alias
-from specdec.prompts import PACKAGED_PROMPTS, chat_ids, evaluation_split, load_prompts, training_split
-from specdec.steering import DrafterSteering, VerifierSteering, cycled_offsets, default_layers, gather_steering, round_offsets, sample_offsets, save_steering
+from specdec.core.drafter_checkpoint import (
+    build_student,
+    is_drafter_checkpoint,
+    load_drafter,
+    read_meta,
+    save_drafter,
+    set_head,
+)
+from specdec.core.hub import BUILTIN_SMOLLM2, load_model_weights_only, resolve_alias
+from specdec.core.models import eos_token_ids, load_tokenizer
+from specdec.core.prompts import (
+    PACKAGED_PROMPTS,
+    chat_ids,
+    evaluation_split,
+    load_prompts,
+    training_split,
+)
+from specdec.core.steering import (
+    DrafterSteering,
+    VerifierSteering,
+    cycled_offsets,
+    default_layers,
+    gather_steering,
+    round_offsets,
+    sample_offsets,
+    save_steering,
+)
+from specdec.serving.config import ConfigError, build_dataclass
+from specdec.train.divergences import DIVERGENCES, divergence
 
 DATA_MODES = ("teacher", "on-policy", "mixed")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-from specdec.rpc import wait_until_serving
+from specdec.serving.rpc import wait_until_serving
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def deploy(app_args: dict, port: int, timeout_s: float = 900.0) -> str:
     coordinator may still hold its own while the new one starts."""
     from ray import serve
 
-    from specdec.app import build_app
+    from specdec.serving.app import build_app
 
     serve.run(build_app(app_args), name=APP_NAME, route_prefix=None, blocking=False)
     address = f"localhost:{port}"

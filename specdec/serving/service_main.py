@@ -7,9 +7,9 @@ import dataclasses
 import logging
 from typing import Callable
 
-from specdec.config import ConfigError, load_config
-from specdec.models import ModelSpec
-from specdec.rpc import serve_until_terminated
+from specdec.core.models import ModelSpec
+from specdec.serving.config import ConfigError, load_config
+from specdec.serving.rpc import serve_until_terminated
 
 
 def run_service(name: str, start: Callable) -> None:

@@ -11,10 +11,11 @@ from typing import Any
 
 import yaml
 
-from specdec.latency_proxy import LinkSettings
-from specdec.models import BUILTIN_DRAFTER, BUILTIN_SMOLLM2, ModelSpec
-from specdec.steering import is_steering_checkpoint_for
-from specdec.tree import TREE_METHODS, TreeShape
+from specdec.core.hub import BUILTIN_DRAFTER, BUILTIN_SMOLLM2
+from specdec.core.models import ModelSpec
+from specdec.core.steering import is_steering_checkpoint_for
+from specdec.core.tree import TREE_METHODS, TreeShape
+from specdec.serving.latency_proxy import LinkSettings
 
 
 class ConfigError(ValueError):

