@@ -15,6 +15,7 @@ from specdec.core.drafter_checkpoint import (
     is_drafter_checkpoint,
     load_drafter,
 )
+from specdec.core.engine import quantize_linears, torch_dtype
 from specdec.core.hub import load_model_weights_only, local_source, resolve_alias
 from specdec.core.tree import DraftTree, verification_inputs
 
@@ -27,7 +28,7 @@ class ModelSpec:
 
     source: str
     layers: int | None = None
-    dtype: str = "float32"
+    dtype: str = "float32"  # the weight format: one of engine.WEIGHT_FORMATS
     device: str = "cpu"
 
 
@@ -40,8 +41,9 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
 
 def load_model(spec: ModelSpec) -> torch.nn.Module:
     """The model in eval mode, with logits over the whole vocabulary (a distilled drafter with a
-    reduced draft vocabulary gives -inf outside it)."""
-    dtype = getattr(torch, spec.dtype)
+    reduced draft vocabulary gives -inf outside it), its weights in the format `spec.dtype`
+    names (specdec/core/engine.py)."""
+    dtype = torch_dtype(spec.dtype)
     source = resolve_alias(spec.source)
     if is_drafter_checkpoint(source):
         model, _ = load_drafter(source, dtype)
@@ -49,6 +51,8 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         model = load_model_weights_only(spec.source, dtype)
     if spec.layers is not None:
         truncate_layers(model, spec.layers)
+    if spec.dtype == "int8":
+        quantize_linears(model)
     return model.to(spec.device).eval()
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from specdec.core.engine import WEIGHT_FORMATS
 from specdec.core.hub import BUILTIN_DRAFTER, BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec
 from specdec.core.steering import is_steering_checkpoint_for
@@ -123,7 +124,11 @@ class Config:
                 (0 <= service.port < 65536, f"{name}.port must be in [0, 65535]"),
                 (service.max_sessions >= 1, f"{name}.max_sessions must be >= 1"),
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
-                (service.model.dtype in ("float32", "float16", "bfloat16"), f"{name}.model.dtype must be float32, float16 or bfloat16"),
+                (service.model.dtype in WEIGHT_FORMATS, f"{name}.model.dtype must be one of {', '.join(WEIGHT_FORMATS)}"),
+                (
+                    service.model.dtype != "int8" or service.model.device == "cpu",
+                    f"{name}.model.dtype int8 runs on the CPU; on {service.model.device} use bfloat16",
+                ),
             ]
         for ok, message in checks:
             if not ok:

@@ -1,0 +1,110 @@
+"""The model engine: int8 linears whose rows do not depend on the batch, and the Llama-family
+forward that must give a tree pass the very logits one-token steps give."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec.core.engine import Int8Linear, KVCache, LlamaEngine, quantize_linears
+from specdec.core.hub import load_model_weights_only
+from specdec.core.tree import DraftTree, verification_inputs
+from tests.tiny_models import build_model_dir
+
+
+def test_int8_linear_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 200)
+    quantized = Int8Linear(linear)
+    x = torch.randn(9, 64) * torch.logspace(-2, 2, 9)[:, None]  # rows of very different scales
+    together = quantized(x)
+    alone = torch.cat([quantized(row[None]) for row in x])
+    assert torch.equal(together, alone)
+    relative = (together - linear(x)).norm(dim=1) / linear(x).norm(dim=1)
+    assert relative.max() < 0.03
+
+
+def test_int8_linear_sums_exactly():
+    torch.manual_seed(1)
+    quantized = Int8Linear(torch.nn.Linear(128, 96, bias=False))
+    rows = torch.randint(-127, 128, (5, 128), dtype=torch.int8)
+    exact = rows.long() @ quantized.rows_layout.long().t()
+    assert torch.equal(torch._int_mm(rows, quantized.cols_layout).long(), exact)
+    assert torch.equal(torch._int_mm(rows[:1], quantized.rows_layout.t()).long(), exact[:1])
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_model(request, tmp_path_factory):
+    path = build_model_dir(tmp_path_factory.mktemp(request.param), seed=3, arch=request.param)
+    return load_model_weights_only(str(path), torch.float32).eval()
+
+
+def test_engine_gives_transformers_logits_and_hidden_states(tiny_model):
+    engine = LlamaEngine(tiny_model)
+    context, new = [1, 5, 7, 3, 9, 4], [6, 8, 10]
+    with torch.inference_mode():
+        cache = DynamicCache(config=tiny_model.config)
+        tiny_model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+        reference = tiny_model(input_ids=torch.tensor([new]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        engine_cache = engine.new_cache()
+        engine(engine_cache, context)
+        logits, hidden = engine(engine_cache, new, num_logits=3, hidden_states=True)
+    assert torch.allclose(logits, reference.logits[0], atol=1e-5)
+    assert len(hidden) == len(reference.hidden_states)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(hidden, reference.hidden_states))
+
+
+def test_int8_tree_pass_equals_one_token_steps(tiny_model):
+    """Exactness for the int8 engine: each tree node's logits from one masked pass are
+    bit-identical to feeding its path one token at a time."""
+    model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()
+    quantize_linears(model)
+    engine = LlamaEngine(model)
+    context = [1, 5, 7, 3, 9, 11, 12, 4]
+    tree = DraftTree([4, 6, 8, 10, 11, 13, 5], [-1, -1, 0, 0, 1, 3, 5])
+    with torch.inference_mode():
+        cache = engine.new_cache()
+        engine(cache, context[:5])
+        positions, mask = verification_inputs(tree, 5, 3)
+        logits, _ = engine(cache, context[5:] + tree.token_ids, len(tree) + 1, position_ids=positions, attention_mask=mask)
+        for node in range(len(tree)):
+            step_cache = engine.new_cache()
+            engine(step_cache, context[:5])
+            for token in context[5:] + [tree.token_ids[n] for n in tree.path_to(node)]:
+                step_logits, _ = engine(step_cache, [token])
+            assert torch.equal(step_logits[-1], logits[node + 1]), f"node {node}"
+
+
+def test_kv_cache_grows_and_keeps_a_path():
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", capacity=4)
+    cache.reserve(10)
+    values = torch.arange(10, dtype=torch.float32)
+    cache.keys[:, 0, :10] = values[:, None]
+    cache.length = 10
+    cache.reserve(40)
+    assert cache.keys.shape[2] >= 40 and torch.equal(cache.keys[1, 0, :10, 0], values)
+    cache.keep_positions(4, [6, 9])
+    assert cache.length == 6 and cache.keys[0, 0, :6, 0].tolist() == [0, 1, 2, 3, 6, 9]
+    cache.truncate(2)
+    assert cache.get_seq_length() == 2
+
+
+@pytest.mark.e2e
+def test_default_verifier_int8_pass_equals_one_token_steps():
+    """On the real default verifier float32 attention noise, turned into different int8
+    activations, moves logits by whole units; the engine's float64 attention keeps a
+    9-token pass bit-identical to one-token steps."""
+    from specdec.core.hub import BUILTIN_SMOLLM2
+    from specdec.core.models import ModelSpec, load_model
+
+    engine = LlamaEngine(load_model(ModelSpec(BUILTIN_SMOLLM2, dtype="int8")))
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, 40000, (120,), generator=generator).tolist()
+    new = torch.randint(0, 40000, (9,), generator=generator).tolist()
+    with torch.inference_mode():
+        cache = engine.new_cache()
+        engine(cache, context)
+        together, _ = engine(cache, new, num_logits=9)
+        cache.truncate(len(context))
+        alone = torch.cat([engine(cache, [token])[0] for token in new])
+    assert torch.equal(together, alone)
