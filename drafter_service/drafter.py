@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from transformers import DynamicCache
 
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.core.kv_cache import keep_positions, truncate
+from specdec.core.engine import TransformersEngine, engine_for
+from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
     check_tree_attention,
@@ -35,7 +35,7 @@ class DrafterSession:
     tokens: list[int]  # the committed context
     sampling: Sampling
     generator: torch.Generator
-    cache: DynamicCache
+    cache: KVCache | TransformersCache
     # The cache holds cached_tokens (committed) and then the last draft's fed nodes, in order.
     cached_tokens: list[int] = field(default_factory=list)
     last_draft: DraftTree = field(default_factory=DraftTree)
@@ -69,6 +69,8 @@ class DrafterEngine:
         if steering_checkpoint:
             self.steering, self.steering_fingerprint = load_drafter_steering(steering_checkpoint, self.model)
         self.steering_size = self.steering.norm.normalized_shape[0] if self.steering else 0
+        # Steering hooks into transformers' own modules, so a steered drafter runs them.
+        self.engine = TransformersEngine(self.model) if self.steering else engine_for(self.model, spec.dtype)
 
     def open_session(self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str) -> DrafterSession:
         if verifier_fingerprint and verifier_fingerprint != self.fingerprint:
@@ -78,7 +80,7 @@ class DrafterEngine:
             )
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
         session = DrafterSession(
-            list(context), sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), DynamicCache(config=self.model.config)
+            list(context), sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self.engine.new_cache()
         )
         self.sessions.put(session_id, session)
         return session
@@ -139,15 +141,9 @@ class DrafterEngine:
         with self.steering.steer(vector.to(self.model.device)):
             yield [(time.perf_counter() - start) * 1e3]
 
-    def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **kwargs) -> torch.Tensor:
-        out = self.model(
-            input_ids=torch.tensor([input_ids], device=self.model.device),
-            past_key_values=session.cache,
-            use_cache=True,
-            logits_to_keep=num_logits,
-            **kwargs,
-        )
-        return out.logits[0, :, : self.vocab_size].float()
+    def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **masking) -> torch.Tensor:
+        logits, _ = self.engine(session.cache, input_ids, num_logits, **masking)
+        return logits[:, : self.vocab_size]
 
     def _reuse_cache(self, session: DrafterSession, context: list[int]) -> list[int]:
         """Keeps the cached tokens that still match `context` and the last draft's cached
@@ -158,7 +154,7 @@ class DrafterEngine:
         while keep < limit and session.cached_tokens[keep] == context[keep]:
             keep += 1
         if keep < len(session.cached_tokens):  # a wrong assumption, or drafting again without a commit
-            truncate(session.cache, keep)
+            session.cache.truncate(keep)
             del session.cached_tokens[keep:]
             session.last_draft, session.fed_nodes = DraftTree(), []
         prefix = len(session.cached_tokens)
@@ -170,7 +166,7 @@ class DrafterEngine:
             if node is None:
                 break
             kept.append(prefix + positions[node])
-        keep_positions(session.cache, prefix, kept)
+        session.cache.keep_positions(prefix, kept)
         session.cached_tokens.extend(new[: len(kept)])
         return new[len(kept) :]
 
@@ -199,8 +195,8 @@ class DrafterEngine:
                     session,
                     [tree.token_ids[n] for n in new],
                     len(new),
-                    position_ids=positions.to(self.model.device),
-                    attention_mask=mask.to(self.model.device),
+                    position_ids=positions,
+                    attention_mask=mask,
                 )
                 session.fed_nodes += new
             # The tree being built, whose numbering fed_nodes uses (a pruning builder

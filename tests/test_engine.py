@@ -15,7 +15,7 @@ from tests.tiny_models import build_model_dir
 def test_int8_linear_rows_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 200)
-    quantized = Int8Linear(linear)
+    quantized = Int8Linear.from_linear(linear)
     x = torch.randn(9, 64) * torch.logspace(-2, 2, 9)[:, None]  # rows of very different scales
     together = quantized(x)
     alone = torch.cat([quantized(row[None]) for row in x])
@@ -24,13 +24,19 @@ def test_int8_linear_rows_do_not_depend_on_the_batch():
     assert relative.max() < 0.03
 
 
-def test_int8_linear_sums_exactly():
-    torch.manual_seed(1)
-    quantized = Int8Linear(torch.nn.Linear(128, 96, bias=False))
-    rows = torch.randint(-127, 128, (5, 128), dtype=torch.int8)
-    exact = rows.long() @ quantized.rows_layout.long().t()
-    assert torch.equal(torch._int_mm(rows, quantized.cols_layout).long(), exact)
-    assert torch.equal(torch._int_mm(rows[:1], quantized.rows_layout.t()).long(), exact[:1])
+def test_int8_linear_sums_exactly_with_either_kernel():
+    """Rows that quantize to +-127 everywhere make sums past 2**24: both kernels must convert
+    the exact integer sum to float32 the same way."""
+    weight = torch.full((96, 1536), 127, dtype=torch.int8)
+    weight[::2] = -127
+    quantized = Int8Linear(weight, torch.ones(96), None)
+    x = torch.full((5, 1536), 1.0)
+    x[1::2] = -1.0
+    x[:, ::7] = torch.linspace(-1, 1, 5)[:, None]
+    rows = torch.round(x / (x.abs().amax(dim=1, keepdim=True) / 127))
+    exact = (rows.double() @ weight.double().t()).float() * (x.abs().amax(dim=1, keepdim=True) / 127)
+    assert torch.equal(quantized(x), exact)
+    assert torch.equal(quantized(x[:1]), exact[:1])
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -108,3 +114,25 @@ def test_default_verifier_int8_pass_equals_one_token_steps():
         cache.truncate(len(context))
         alone = torch.cat([engine(cache, [token])[0] for token in new])
     assert torch.equal(together, alone)
+
+
+def test_smoothing_tames_an_outlier_channel_and_keeps_rows_independent():
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(64, 48, bias=False)
+    x = torch.randn(6, 64)
+    x[:, 5] *= 60  # one outlier channel, as LLM activations have
+    plain, smoothed = Int8Linear.from_linear(linear), Int8Linear.from_linear(linear, x.abs().amax(dim=0))
+    error = lambda layer: ((layer(x) - linear(x)).norm() / linear(x).norm()).item()  # noqa: E731
+    assert error(smoothed) < 0.5 * error(plain)
+    assert torch.equal(smoothed(x), torch.cat([smoothed(row[None]) for row in x]))
+    with pytest.raises(ValueError, match="smooth their shared input alike"):
+        Int8Linear.side_by_side([plain, smoothed])
+
+
+def test_input_ranges_cover_every_linear(tiny_model):
+    from specdec.core.models import input_ranges
+
+    ranges = input_ranges(tiny_model, [1, 5, 7, 3, 9])
+    linears = {n: m for n, m in tiny_model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(ranges) == set(linears)
+    assert all(ranges[n].shape == (m.in_features,) and (ranges[n] > 0).all() for n, m in linears.items())

@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.core.kv_cache import keep_positions
+from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
     UnsupportedModel,
@@ -247,18 +247,26 @@ def test_subtree_keeps_the_paths_of_kept_nodes(tree, data):
 @given(st.integers(0, 12), st.integers(0, 10), st.data())
 @settings(max_examples=150, deadline=None)
 def test_keep_positions_compacts_to_the_accepted_path(prefix, extra_len, data):
+    """Both session caches (transformers' and the engine's preallocated one) keep exactly
+    the committed prefix and the accepted path."""
     total = prefix + extra_len
     extra = sorted(data.draw(st.sets(st.integers(prefix, max(total - 1, prefix)), max_size=extra_len))) if extra_len else []
-    cache = DynamicCache()
     keys = torch.arange(total, dtype=torch.float32).reshape(1, 1, total, 1).repeat(1, 2, 1, 3)
+    dynamic = TransformersCache()
+    static = KVCache(num_layers=2, num_kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu", capacity=4)
+    static.reserve(total)
     for layer in range(2):
-        cache.update(keys + 100 * layer, -keys, layer)
-    keep_positions(cache, prefix, extra)
+        dynamic.update(keys + 100 * layer, -keys, layer)
+        static.keys[layer, :, :total], static.values[layer, :, :total] = keys[0] + 100 * layer, -keys[0]
+    static.length = total
     expected = list(range(prefix)) + extra
-    for layer, cached in enumerate(cache.layers):
-        assert cached.keys[0, 0, :, 0].tolist() == [float(p + 100 * layer) for p in expected]
-        assert cached.values[0, 1, :, 2].tolist() == [-float(p) for p in expected]
-    assert cache.get_seq_length() == len(expected)
+    for cache in (dynamic, static):
+        cache.keep_positions(prefix, extra)
+        assert cache.get_seq_length() == len(expected)
+    for layer, cached in enumerate(dynamic.layers):
+        for layer_keys, layer_values in ((cached.keys[0], cached.values[0]), (static.keys[layer], static.values[layer])):
+            assert layer_keys[0, : len(expected), 0].tolist() == [float(p + 100 * layer) for p in expected]
+            assert layer_values[1, : len(expected), 2].tolist() == [-float(p) for p in expected]
 
 
 def test_tree_shape_wire_and_validation():

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from transformers import DynamicCache
 
-from specdec.core.kv_cache import keep_positions
+from specdec.core.engine import engine_for
+from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
     check_tree_attention,
@@ -49,7 +49,7 @@ class VerifierSession:
     tokens: list[int]  # the committed context
     sampling: Sampling
     generator: torch.Generator
-    cache: DynamicCache
+    cache: KVCache | TransformersCache
     last_round: int = 0
     last_result: RoundResult | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -67,6 +67,7 @@ class VerifierEngine:
         self.spec = spec
         self.model = load_model(spec)
         check_tree_attention(self.model)
+        self.engine = engine_for(self.model, spec.dtype)
         self.tokenizer = load_tokenizer(spec.source)
         self.vocab_size = len(self.tokenizer)
         self.eos_ids = set(eos_token_ids(self.model, self.tokenizer))
@@ -83,7 +84,7 @@ class VerifierEngine:
     def open_session(self, session_id: str, context: list[int], sampling: Sampling) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
         generator = torch.Generator().manual_seed(sampling.seed)
-        session = VerifierSession(list(context), sampling, generator, DynamicCache(config=self.model.config))
+        session = VerifierSession(list(context), sampling, generator, self.engine.new_cache())
         self.sessions.put(session_id, session)
         return session
 
@@ -125,17 +126,9 @@ class VerifierEngine:
             session.last_round, session.last_result = round_number, result
             return result
 
-    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, steering: bool, **kwargs):
+    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, steering: bool, **masking):
         """(logits of the last num_logits positions, hidden states of every layer or None)."""
-        out = self.model(
-            input_ids=torch.tensor([input_ids], device=self.model.device),
-            past_key_values=session.cache,
-            use_cache=True,
-            logits_to_keep=num_logits,
-            output_hidden_states=steering,
-            **kwargs,
-        )
-        return out.logits[0].float(), out.hidden_states
+        return self.engine(session.cache, input_ids, num_logits, hidden_states=steering, **masking)
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor) -> int:
         if session.sampling.greedy:
@@ -164,15 +157,15 @@ class VerifierEngine:
             pending + tree.token_ids,
             len(tree) + 1,
             steering,
-            position_ids=positions.to(self.model.device),
-            attention_mask=mask.to(self.model.device),
+            position_ids=positions,
+            attention_mask=mask,
         )
         if session.sampling.greedy:
             path, next_token = accept_greedy(tree, logits.argmax(dim=-1).tolist())
         else:
             path, next_token = accept_sampled(tree, warp_probs(logits, session.sampling), session.generator)
         committed_len = num_cached + len(pending)
-        keep_positions(session.cache, committed_len, [committed_len + node for node in path])
+        session.cache.keep_positions(committed_len, [committed_len + node for node in path])
         # The last position read is the last accepted node (or the root): its output gave the new token.
         last_read = len(pending) + path[-1] if path else len(pending) - 1
         return [tree.token_ids[node] for node in path] + [next_token], _at(hidden, last_read)

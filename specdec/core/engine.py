@@ -14,32 +14,71 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core.kv_cache import KVCache, TransformersCache
+
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
 _TINY = 1e-12  # the smallest scale: an all-zero row quantizes to zeros instead of NaN
 
 
 class Int8Linear(torch.nn.Module):
-    """A linear layer with int8 weights (per output channel) and int8 activations (per row)."""
+    """A linear layer with int8 weights (per output channel) and int8 activations (per row).
 
-    def __init__(self, linear: torch.nn.Linear):
+    One row runs ATen's int8 matrix multiply over the row-major weight (the fastest kernel
+    for a single token here); several rows run oneDNN's prepacked int8 kernel, whose cost
+    stays nearly flat from 2 to 9 rows. Both sum the same integers exactly and convert the
+    sum to float32 the same way, so the kernel choice never changes a result."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, smoothing: torch.Tensor | None = None):
         super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(weight, None), persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("smoothing", smoothing, persistent=False)
+        self._ones = torch.ones(self.out_features)
+        self._zeros = torch.zeros(self.out_features, dtype=torch.long)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, input_range: torch.Tensor | None = None) -> "Int8Linear":
+        """`input_range`, the largest |input| seen per input channel on calibration text, moves
+        activation outliers into the weights (SmoothQuant, alpha 0.5): x/s times W*s, with
+        s = sqrt(range). One int8 scale per token then fits the other channels far better."""
         weight = linear.weight.detach().float()
+        smoothing = None
+        if input_range is not None:
+            balance = input_range.float().clamp_min(1e-5).sqrt()
+            weight, smoothing = weight * balance, 1 / balance
         scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / 127
         quantized = torch.round(weight / scale).to(torch.int8)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        # Two layouts of the same integers: the fastest int8 kernel for one row reads the
-        # weight row-major, the one for several rows column-major. Both sum exactly.
-        self.register_buffer("rows_layout", quantized, persistent=False)
-        self.register_buffer("cols_layout", quantized.t().contiguous(), persistent=False)
-        self.register_buffer("scale", scale.view(-1), persistent=False)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(quantized, scale.view(-1), bias, smoothing)
+
+    @classmethod
+    def side_by_side(cls, parts: list["Int8Linear"]) -> "Int8Linear":
+        """One layer computing several of the same input (q|k|v, gate|up): one activation
+        quantization and one multiply instead of several."""
+        smoothing = parts[0].smoothing
+        if not all(p.smoothing is None if smoothing is None else torch.equal(p.smoothing, smoothing) for p in parts):
+            raise ValueError("layers computed side by side must smooth their shared input alike")
+        biases = [p.bias for p in parts]
+        bias = None if biases[0] is None else torch.cat(biases)
+        return cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), bias, smoothing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
+        if self.smoothing is not None:
+            rows = rows * self.smoothing
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / 127
-        quantized = torch.round(rows / row_scale).to(torch.int8)
-        weight = self.rows_layout.t() if rows.shape[0] == 1 else self.cols_layout
-        out = torch._int_mm(quantized, weight).float() * (row_scale * self.scale)
+        quantized = torch.round(rows / row_scale)
+        if rows.shape[0] == 1:
+            sums = torch._int_mm(quantized.to(torch.int8), self.weight.t()).float()
+        else:  # oneDNN takes unsigned activations with a zero point: x + 128, zero point 128
+            shifted = quantized.add_(128).to(torch.uint8)
+            sums = torch.ops.onednn.qlinear_pointwise(
+                shifted, 1.0, 128, self.packed, self._ones, self._zeros, None, 1.0, 0, torch.float32, "none", [], ""
+            )
+        out = sums * (row_scale * self.scale)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -48,15 +87,17 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_linears(module: torch.nn.Module) -> int:
-    """Replaces every torch.nn.Linear under `module` by an Int8Linear, in place; returns how many."""
+def quantize_linears(module: torch.nn.Module, input_ranges: dict[str, torch.Tensor] | None = None, prefix: str = "") -> int:
+    """Replaces every torch.nn.Linear under `module` by an Int8Linear, in place, smoothed by
+    `input_ranges` (qualified module name -> per-channel input range) where given; returns how many."""
     count = 0
     for name, child in module.named_children():
+        qualified = f"{prefix}{name}"
         if isinstance(child, torch.nn.Linear):
-            setattr(module, name, Int8Linear(child))
+            setattr(module, name, Int8Linear.from_linear(child, (input_ranges or {}).get(qualified)))
             count += 1
         else:
-            count += quantize_linears(child)
+            count += quantize_linears(child, input_ranges, f"{qualified}.")
     return count
 
 
@@ -66,62 +107,15 @@ def torch_dtype(weights: str) -> torch.dtype:
 
 
 def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
-    """One layer computing several linears of the same input side by side (q|k|v, gate|up):
-    one activation quantization and one matrix multiply instead of several."""
+    """One layer computing several linears of the same input side by side (q|k|v, gate|up)."""
     if all(isinstance(p, Int8Linear) for p in parts):
-        fused = Int8Linear.__new__(Int8Linear)
-        torch.nn.Module.__init__(fused)
-        fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-        fused.register_buffer("rows_layout", torch.cat([p.rows_layout for p in parts]), persistent=False)
-        fused.register_buffer("cols_layout", torch.cat([p.cols_layout for p in parts], dim=1), persistent=False)
-        fused.register_buffer("scale", torch.cat([p.scale for p in parts]), persistent=False)
-        biases = [p.bias for p in parts]
-    else:
-        fused = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
-        fused = fused.to(parts[0].weight.dtype)
-        fused.weight.data = torch.cat([p.weight.detach() for p in parts])
-        biases = [p.bias for p in parts]
-    if biases[0] is not None:
-        fused.bias = torch.nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
-    elif isinstance(fused, Int8Linear):
-        fused.bias = None
-    return fused
-
-
-class KVCache:
-    """Keys and values of the tokens a session has fed, preallocated and grown by doubling,
-    so a forward writes its new tokens in place instead of concatenating the whole cache."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256):
-        self.keys = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
-        self.length = 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def reserve(self, length: int) -> None:
-        capacity = self.keys.shape[2]
-        if length > capacity:
-            while capacity < length:
-                capacity *= 2
-            grown = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
-            for name in ("keys", "values"):
-                bigger = torch.empty_like(grown)
-                bigger[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
-                setattr(self, name, bigger)
-
-    def keep_positions(self, prefix_len: int, extra: list[int]) -> None:
-        """Keep positions [0, prefix_len) plus `extra` (ascending, all >= prefix_len)."""
-        if extra:
-            index = torch.tensor(extra, device=self.keys.device)
-            end = prefix_len + len(extra)
-            self.keys[:, :, prefix_len:end] = self.keys[:, :, index]
-            self.values[:, :, prefix_len:end] = self.values[:, :, index]
-        self.length = prefix_len + len(extra)
-
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
+        return Int8Linear.side_by_side(parts)
+    bias = parts[0].bias is not None
+    fused = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias, dtype=parts[0].weight.dtype)
+    fused.weight.data = torch.cat([p.weight.detach() for p in parts])
+    if bias:
+        fused.bias.data = torch.cat([p.bias.detach() for p in parts])
+    return fused.requires_grad_(False)
 
 
 class LlamaEngine(torch.nn.Module):
@@ -189,11 +183,12 @@ class LlamaEngine(torch.nn.Module):
         start, count = cache.length, len(input_ids)
         cache.reserve(start + count)
         if position_ids is None:
-            position_ids = torch.arange(start, start + count, device=self.device)[None]
+            position_ids = torch.arange(start, start + count)[None]
+        position_ids = position_ids.to(self.device)
         x = self.embed(torch.tensor([input_ids], device=self.device))
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[:, None], sin[:, None]
-        mask = attention_mask
+        mask = None if attention_mask is None else attention_mask.to(self.device)
         if mask is None and count > 1:
             mask = torch.ones(count, start + count, dtype=torch.bool, device=self.device).tril(start)[None, None]
         keep = [x] if hidden_states else None
@@ -237,3 +232,42 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
         scores.masked_fill_(~mask[0, 0].repeat(groups, 1), float("-inf"))
     out = torch.bmm(torch.softmax(scores, dim=-1), values.double())
     return out.view(kv_heads * groups, count, dim)[None]
+
+
+class TransformersEngine:
+    """Any transformers causal LM run by its own forward: exactly what `generate()` runs."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def new_cache(self) -> TransformersCache:
+        return TransformersCache(config=self.model.config)
+
+    def __call__(
+        self,
+        cache: TransformersCache,
+        input_ids: list[int],
+        num_logits: int = 1,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        hidden_states: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        device = self.model.device
+        out = self.model(
+            input_ids=torch.tensor([input_ids], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+            output_hidden_states=hidden_states,
+            position_ids=None if position_ids is None else position_ids.to(device),
+            attention_mask=None if attention_mask is None else attention_mask.to(device),
+        )
+        return out.logits[0].float(), out.hidden_states
+
+
+def engine_for(model: torch.nn.Module, weights: str) -> LlamaEngine | TransformersEngine:
+    """float32 runs as transformers runs it (so output equals `generate()`); the other formats
+    run the engine's own forward where the architecture allows."""
+    if weights != "float32" and LlamaEngine.supports(model):
+        return LlamaEngine(model)
+    return TransformersEngine(model)

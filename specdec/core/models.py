@@ -17,6 +17,7 @@ from specdec.core.drafter_checkpoint import (
 )
 from specdec.core.engine import quantize_linears, torch_dtype
 from specdec.core.hub import load_model_weights_only, local_source, resolve_alias
+from specdec.core.prompts import calibration_ids
 from specdec.core.tree import DraftTree, verification_inputs
 
 
@@ -52,8 +53,30 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     if spec.layers is not None:
         truncate_layers(model, spec.layers)
     if spec.dtype == "int8":
-        quantize_linears(model)
+        calibration = calibration_ids(load_tokenizer(spec.source), max_context(model))
+        quantize_linears(model, input_ranges(model.eval(), calibration))
     return model.to(spec.device).eval()
+
+
+def input_ranges(model: torch.nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The largest |input| per input channel that each linear layer sees on `token_ids`."""
+    ranges: dict[str, torch.Tensor] = {}
+
+    def recorder(name: str):
+        def record(module, inputs):
+            seen = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(dim=0).float()
+            ranges[name] = torch.maximum(ranges[name], seen) if name in ranges else seen
+
+        return record
+
+    hooks = [m.register_forward_pre_hook(recorder(n)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([token_ids], device=model.device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ranges
 
 
 def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:

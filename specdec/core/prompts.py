@@ -42,3 +42,19 @@ def evaluation_split(rows: list[dict], num: int, skip: int = 0) -> list[dict]:
     for i in range(max((len(v) for v in by_category.values()), default=0)):
         ordered += [v[i] for v in by_category.values() if i < len(v)]
     return ordered[skip : skip + num]
+
+
+def calibration_ids(tokenizer, max_tokens: int, num_tokens: int = 512) -> list[int]:
+    """Text to calibrate int8 activation ranges on: training-split Spec-Bench prompts, one per
+    category in turn, as chat turns, cut to `num_tokens` (never the held-out prompts)."""
+    rows = training_split(load_prompts())
+    by_category: dict[str, list[dict]] = {}
+    for row in rows:
+        by_category.setdefault(row["category"], []).append(row)
+    ids: list[int] = []
+    for turn in zip(*by_category.values()):
+        for row in turn:
+            ids += chat_ids(tokenizer, row["prompt"])
+            if len(ids) >= min(num_tokens, max_tokens):
+                return ids[: min(num_tokens, max_tokens)]
+    return ids[:max_tokens]
