@@ -55,7 +55,6 @@ class DrafterEngine:
     ):
         self.spec = spec
         self.model = load_model(spec)
-        check_tree_attention(self.model)
         self.tokenizer = load_tokenizer(spec.source)
         self.vocab_size = len(self.tokenizer)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
@@ -71,6 +70,7 @@ class DrafterEngine:
         self.steering_size = self.steering.norm.normalized_shape[0] if self.steering else 0
         # Steering hooks into transformers' own modules, so a steered drafter runs them.
         self.engine = TransformersEngine(self.model) if self.steering else engine_for(self.model, spec.dtype)
+        check_tree_attention(self.engine, self.model.config)
 
     def open_session(self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str) -> DrafterSession:
         if verifier_fingerprint and verifier_fingerprint != self.fingerprint:

@@ -1,6 +1,6 @@
 """The real stack: Ray Serve deploys drafter, verifier and coordinator with the default
-SmolLM2 pair, and a plain gRPC client that knows only the protos gets the verifier's own
-greedy output."""
+SmolLM2 pair (the verifier in int8), and a plain gRPC client that knows only the protos gets
+exactly what the served verifier alone decodes, one token per call."""
 from __future__ import annotations
 
 import time
@@ -8,6 +8,7 @@ import urllib.request
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.core.hub import BUILTIN_SMOLLM2
@@ -42,17 +43,22 @@ def test_health_service_reports_serving(ray_stack):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def verifier_alone(stub, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The served verifier decoding alone, one token per forward: the reference of exactness."""
+    request = coordinator_pb2.GenerateRequest(prompt_token_ids=ids, max_new_tokens=max_new_tokens, num_draft_tokens=0)
+    return list(stub.Generate(request, timeout=600).token_ids)
+
+
 @pytest.mark.e2e
 def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
     tokenizer = load_tokenizer(BUILTIN_SMOLLM2)
-    verifier = load_model(ModelSpec(BUILTIN_SMOLLM2))
     with grpc.insecure_channel(ray_stack) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         for prompt in UNSEEN_PROMPTS:
             request = coordinator_pb2.GenerateRequest(prompt=prompt, use_chat_template=True, max_new_tokens=128)
             parts = list(stub.GenerateStream(request, timeout=600))
             tokens = [t for p in parts for t in p.token_ids]
-            assert tokens == hf_greedy(verifier, chat_ids(tokenizer, prompt), 128), prompt
+            assert tokens == verifier_alone(stub, chat_ids(tokenizer, prompt), 128), prompt
             stats = parts[-1].stats
             assert stats.rounds > 0 and stats.speculation_budget > 0 and stats.bytes_sent > 0
             # The shipped drafter carries an SD² steering checkpoint, so the default pair steers.
@@ -62,9 +68,8 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("method", ["dynamic", "rsd-s"])
-def test_draft_trees_with_the_default_pair_match_generate(ray_stack, method):
+def test_draft_trees_with_the_default_pair_match_the_verifier_alone(ray_stack, method):
     tokenizer = load_tokenizer(BUILTIN_SMOLLM2)
-    verifier = load_model(ModelSpec(BUILTIN_SMOLLM2))
     ids = chat_ids(tokenizer, UNSEEN_PROMPTS[1])
     with grpc.insecure_channel(ray_stack) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -72,8 +77,25 @@ def test_draft_trees_with_the_default_pair_match_generate(ray_stack, method):
             prompt_token_ids=ids, max_new_tokens=64, num_draft_tokens=16, tree=common_pb2.TreeShape(method=method)
         )
         reply = stub.Generate(request, timeout=600)
-    assert list(reply.token_ids) == hf_greedy(verifier, ids, 64)
+        assert list(reply.token_ids) == verifier_alone(stub, ids, 64)
     assert reply.stats.tree_method == method and reply.stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.e2e
+def test_float32_default_verifier_equals_generate():
+    """With float32 weights the served verifier is transformers' own model: its greedy tree
+    verification equals `generate()` (checked in-process on the engine the service runs)."""
+    from specdec.core.engine import engine_for
+
+    tokenizer = load_tokenizer(BUILTIN_SMOLLM2)
+    model = load_model(ModelSpec(BUILTIN_SMOLLM2))
+    engine = engine_for(model, "float32")
+    ids = chat_ids(tokenizer, UNSEEN_PROMPTS[0])
+    reference = hf_greedy(model, ids, 24)
+    with torch.inference_mode():
+        cache = engine.new_cache()
+        logits, _ = engine(cache, ids + reference[:-1], num_logits=len(reference))
+    assert logits.argmax(dim=-1).tolist() == reference
 
 
 @pytest.mark.e2e

@@ -136,3 +136,26 @@ def test_input_ranges_cover_every_linear(tiny_model):
     linears = {n: m for n, m in tiny_model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(ranges) == set(linears)
     assert all(ranges[n].shape == (m.in_features,) and (ranges[n] > 0).all() for n, m in linears.items())
+
+
+@pytest.mark.parametrize("method", ["chain", "static", "dynamic", "rsd-c", "rsd-s"])
+def test_int8_services_equal_the_served_verifier_alone(tiny_dirs, method):
+    """Exactness for an int8 pair through the real services: greedy speculative output equals
+    the same verifier decoding alone, one token per forward (`num_draft_tokens: 0`)."""
+    from specdec.serving.client import CoordinatorClient, generate_request
+    from tests.conftest import local_stack, tiny_config
+    from tests.test_trees import SERVICE_PROMPTS, tree_request
+
+    config = tiny_config(tiny_dirs)
+    for service in ("verifier", "drafter"):
+        config[service]["model"] = {"source": config[service]["model"], "dtype": "int8"}
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        for ids in SERVICE_PROMPTS:
+            alone = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=30, num_draft_tokens=0))
+            drafted = client.generate(
+                generate_request(prompt_token_ids=ids, max_new_tokens=30, num_draft_tokens=8, tree=tree_request(method))
+            )
+            assert list(drafted.token_ids) == list(alone.token_ids), ids
+            assert drafted.stats.drafted_tokens > 0 and alone.stats.drafted_tokens == 0
+        client.close()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from drafter_service.tree_builders import NextToken, builder_for
+from specdec.core.engine import TransformersEngine
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
@@ -359,4 +360,4 @@ def test_architectures_that_ignore_tree_masks_are_refused():
     )
     torch.manual_seed(0)
     with pytest.raises(UnsupportedModel, match="'gemma2' does not honour a custom 4-D attention mask"):
-        check_tree_attention(Gemma2ForCausalLM(config).eval())
+        check_tree_attention(TransformersEngine(Gemma2ForCausalLM(config).eval()), config)

@@ -66,8 +66,8 @@ class VerifierEngine:
     ):
         self.spec = spec
         self.model = load_model(spec)
-        check_tree_attention(self.model)
         self.engine = engine_for(self.model, spec.dtype)
+        check_tree_attention(self.engine, self.model.config)
         self.tokenizer = load_tokenizer(spec.source)
         self.vocab_size = len(self.tokenizer)
         self.eos_ids = set(eos_token_ids(self.model, self.tokenizer))

@@ -2,8 +2,10 @@
 
 Methods: verifier-only decoding through the services (`autoregressive`), speculative
 decoding through the services (`speculative`, one row per tree method and budget), Hugging Face assisted
-generation with the same pair in-process (`hf_assisted`) and plain `generate()` of the
-verifier in-process (`hf_generate`). Writes JSON and a plot, prints a table.
+generation with the same pair and weights in-process (`hf_assisted`), plain `generate()` of the
+served verifier's weights (`hf_generate`) and of its float32 weights (`hf_generate_fp32`, what a user
+would otherwise run). Methods interleave on each prompt; every ratio comes with a paired 95%
+bootstrap interval over prompts. Writes JSON and a plot, prints a table.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdec.bench.stats import paired_ratio_interval
 from specdec.core.prompts import (
     PACKAGED_PROMPTS,
     chat_ids,
@@ -46,6 +49,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50061, help="client port of the stack the bench starts")
     parser.add_argument("--address", help="benchmark an already running stack at host:port instead")
     parser.add_argument("--out", default="bench_results/bench.json", help="JSON output; the plot goes beside it")
+    cost = parser.add_argument_group("engine cost curve (instead of the method comparison)")
+    cost.add_argument("--cost-curve", help="comma-separated new-token counts k, e.g. 1,2,3,5,9,17,33: forward time for k tokens after a committed context")
+    cost.add_argument("--cost-context", type=int, default=200, help="committed context length (tokens of the held-out prompts)")
     network = parser.add_argument_group("network sweep (instead of the method comparison)")
     network.add_argument("--rtt-sweep", help="comma-separated round-trip times in ms to inject on both service links, e.g. 0,5,20,50,100")
     network.add_argument("--sweep-chains", default="1,2,4,8", help="fixed chain budgets of the sweep (also the adaptive candidates)")
@@ -64,8 +70,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Tally:
-    tokens: int = 0
-    seconds: float = 0.0
+    """One method's measurements, per prompt (so ratios get paired intervals over prompts)."""
+
+    tokens: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
     accepted: int = 0
     speculative_rounds: int = 0
     wire_ms: float = 0.0
@@ -74,17 +82,29 @@ class Tally:
     bytes_per_round: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
 
+    def add(self, token_ids: list[int], seconds: float) -> None:
+        self.tokens.append(len(token_ids))
+        self.seconds.append(seconds)
+        self.outputs.append(list(token_ids))
+
     def add_service(self, response, seconds: float) -> None:
         stats = response.stats
-        self.tokens += len(response.token_ids)
-        self.seconds += seconds
+        self.add(response.token_ids, seconds)
         self.accepted += stats.accepted_draft_tokens
         self.speculative_rounds += stats.rounds if stats.drafted_tokens else 0
         self.rounds += stats.rounds
         self.wire_ms += stats.wire_serialization_ms
         self.total_ms += stats.total_ms
         self.bytes_per_round.append(stats.bytes_per_round)
-        self.outputs.append(list(response.token_ids))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.tokens) / sum(self.seconds) if sum(self.seconds) else 0.0
+
+    def ratio_to(self, other: "Tally") -> dict:
+        """tokens/s over the other's, with its paired 95% interval over prompts."""
+        low, high = paired_ratio_interval((self.tokens, self.seconds), (other.tokens, other.seconds))
+        return {"ratio": self.tokens_per_second / other.tokens_per_second, "ci95": [low, high]}
 
 
 def run_bench(args) -> int:
@@ -112,6 +132,23 @@ def run_bench(args) -> int:
     config = build_config(app_args)
     tokenizer = load_tokenizer(config.verifier.model.source)
     prompt_ids = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
+    if args.cost_curve:
+        from specdec.bench.cost import (
+            format_cost_curve,
+            plot_cost_curve,
+            run_cost_curve,
+        )
+
+        context = ([t for ids in prompt_ids for t in ids] * args.cost_context)[: args.cost_context]
+        rows = run_cost_curve(config, context, [int(k) for k in args.cost_curve.split(",")])
+        report = {"config": {"verifier": config.verifier.model.__dict__, "drafter": config.drafter.model.__dict__, "torch_threads": torch.get_num_threads()}, "results": rows}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        plot_cost_curve(rows, out.with_suffix(".png"))
+        print(format_cost_curve(rows))
+        print(f"wrote {out}, {out.with_suffix('.png')}")
+        return 0
     if args.steering_ablation:
         from specdec.bench.steering import (
             format_ablation,
@@ -145,86 +182,91 @@ def run_bench(args) -> int:
     address = args.address or start_stack(app_args, args.port)
     client = CoordinatorClient(address)
     verifier, drafter = load_model(config.verifier.model), load_model(config.drafter.model)
+    served = config.verifier.model
+    verifier_fp32 = verifier if served.dtype == "float32" else load_model(dataclasses.replace(served, dtype="float32"))
 
-    def through_services(budget: int, temperature: float, shape: TreeShape | None = None) -> Tally:
-        tally = Tally()
-        for i, ids in enumerate(prompt_ids):
-            request = generate_request(
-                prompt_token_ids=ids,
+    def through_services(i: int, budget: int, temperature: float, shape: TreeShape | None = None):
+        request = generate_request(
+            prompt_token_ids=prompt_ids[i],
+            max_new_tokens=args.max_new_tokens,
+            temperature=temperature,
+            seed=args.seed + i,
+            num_draft_tokens=budget,
+            tree=shape_to_proto(shape) if shape else None,
+        )
+        start = time.perf_counter()
+        response = client.generate(request)
+        return response, time.perf_counter() - start
+
+    def in_process(i: int, model, assisted: bool, temperature: float):
+        torch.manual_seed(args.seed + i)
+        inputs = torch.tensor([prompt_ids[i]])
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
                 max_new_tokens=args.max_new_tokens,
-                temperature=temperature,
-                seed=args.seed + i,
-                num_draft_tokens=budget,
-                tree=shape_to_proto(shape) if shape else None,
+                assistant_model=drafter if assisted else None,
+                pad_token_id=tokenizer.eos_token_id,
+                **sampling,
             )
-            start = time.perf_counter()
-            response = client.generate(request)
-            tally.add_service(response, time.perf_counter() - start)
-        return tally
+        return out[0, inputs.shape[1] :].tolist(), time.perf_counter() - start
 
-    def in_process(assisted: bool, temperature: float) -> Tally:
-        tally = Tally()
-        for i, ids in enumerate(prompt_ids):
-            torch.manual_seed(args.seed + i)
-            inputs = torch.tensor([ids])
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
-            start = time.perf_counter()
-            with torch.inference_mode():
-                out = verifier.generate(
-                    inputs,
-                    attention_mask=torch.ones_like(inputs),
-                    max_new_tokens=args.max_new_tokens,
-                    assistant_model=drafter if assisted else None,
-                    pad_token_id=tokenizer.eos_token_id,
-                    **sampling,
-                )
-            tally.seconds += time.perf_counter() - start
-            new = out[0, len(ids) :].tolist()
-            tally.tokens += len(new)
-            tally.outputs.append(new)
-        return tally
-
-    # (name, method, tree, budget, runner)
-    methods = [("autoregressive", "autoregressive", None, 0, lambda t: through_services(0, t))]
+    # (name, method, tree, budget, runner(prompt index, temperature) -> service response or token ids, seconds)
+    methods = [("autoregressive", "autoregressive", None, 0, lambda i, t: through_services(i, 0, t))]
     methods += [
-        (f"{tree}_b{b}", "speculative", tree, b, lambda t, b=b, tree=tree: through_services(b, t, shapes[tree]))
+        (f"{tree}_b{b}", "speculative", tree, b, lambda i, t, b=b, tree=tree: through_services(i, b, t, shapes[tree]))
         for tree in trees
         for b in budgets
     ]
     methods += [
-        ("hf_assisted", "hf_assisted", None, None, lambda t: in_process(True, t)),
-        ("hf_generate", "hf_generate", None, None, lambda t: in_process(False, t)),
+        ("hf_assisted", "hf_assisted", None, None, lambda i, t: in_process(i, verifier, True, t)),
+        ("hf_generate", "hf_generate", None, None, lambda i, t: in_process(i, verifier, False, t)),
+        ("hf_generate_fp32", "hf_generate_fp32", None, None, lambda i, t: in_process(i, verifier_fp32, False, t)),
     ]
     results = []
     try:
         for temperature in temperatures:
-            warm = generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature)
-            client.generate(warm)
-            tallies = {}
-            for name, _, _, _, runner in tqdm(methods, desc=f"T={temperature}", unit="method"):
-                tallies[name] = runner(temperature)
-            base = tallies["autoregressive"]
-            reference = tallies["hf_generate"].outputs
+            client.generate(generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature))
+            tallies = {name: Tally() for name, *_ in methods}
+            # Interleaved: every prompt visits every method in turn, so drift hits all alike.
+            for i in tqdm(range(len(prompt_ids)), desc=f"T={temperature}", unit="prompt"):
+                for name, _, _, _, runner in methods:
+                    answer, seconds = runner(i, temperature)
+                    if isinstance(answer, list):
+                        tallies[name].add(answer, seconds)
+                    else:
+                        tallies[name].add_service(answer, seconds)
+            alone = tallies["autoregressive"]
             for name, method, tree, budget, _ in methods:
                 tally = tallies[name]
-                tps = tally.tokens / tally.seconds if tally.seconds else 0.0
                 row = {
                     "name": name,
                     "method": method,
                     "tree": tree,
                     "budget": budget,
                     "temperature": temperature,
-                    "tokens_per_second": tps,
+                    "tokens_per_second": tally.tokens_per_second,
                     "mean_accepted_per_round": tally.accepted / tally.speculative_rounds if tally.speculative_rounds else None,
-                    "tokens_per_verify_call": tally.tokens / tally.rounds if tally.rounds else None,
-                    "speedup_vs_autoregressive": tps / (base.tokens / base.seconds),
+                    "tokens_per_verify_call": sum(tally.tokens) / tally.rounds if tally.rounds else None,
+                    "vs_autoregressive": tally.ratio_to(alone),
+                    "vs_hf_assisted": tally.ratio_to(tallies["hf_assisted"]),
+                    "vs_hf_generate_fp32": tally.ratio_to(tallies["hf_generate_fp32"]),
                     "wire_share": tally.wire_ms / tally.total_ms if tally.total_ms else None,
                     "bytes_per_round": sum(tally.bytes_per_round) / len(tally.bytes_per_round) if tally.bytes_per_round else None,
-                    "generated_tokens": tally.tokens,
-                    "seconds": tally.seconds,
+                    "generated_tokens": sum(tally.tokens),
+                    "seconds": sum(tally.seconds),
+                    "tokens_per_prompt": tally.tokens,
+                    "seconds_per_prompt": tally.seconds,
                 }
+                row["speedup_vs_autoregressive"] = row["vs_autoregressive"]["ratio"]
                 if temperature == 0:
-                    row["greedy_matches_hf_generate"] = sum(a == b for a, b in zip(tally.outputs, reference)) / len(reference)
+                    # Exactness is against the served verifier alone; for float32 weights also generate().
+                    row["greedy_matches_verifier_alone"] = _share_equal(tally.outputs, alone.outputs)
+                    if served.dtype == "float32":
+                        row["greedy_matches_hf_generate"] = _share_equal(tally.outputs, tallies["hf_generate"].outputs)
                 results.append(row)
     finally:
         client.close()
@@ -260,21 +302,31 @@ def run_bench(args) -> int:
     return 0
 
 
+def _share_equal(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    return sum(a == b for a, b in zip(outputs, reference)) / len(reference)
+
+
 def format_table(results: list[dict]) -> str:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
     lines = [
-        "| method | tree | budget | T | tokens/s | speedup vs autoregressive | accepted/round | bytes/round | wire share | greedy = generate() |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | accepted/round | bytes/round | wire share | greedy = verifier alone |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['method']} | {r.get('tree') or '-'} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
-            f"{r['speedup_vs_autoregressive']:.2f}x | {fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
-            f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_hf_generate'), '.0%')} |"
+            f"{_ratio(r['vs_autoregressive'])} | {_ratio(r['vs_hf_assisted'])} | {_ratio(r['vs_hf_generate_fp32'])} | "
+            f"{fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
+            f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_verifier_alone'), '.0%')} |"
         )
     return "\n".join(lines)
+
+
+def _ratio(ratio: dict) -> str:
+    low, high = ratio["ci95"]
+    return f"{ratio['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 
 def plot_results(results: list[dict], path: Path) -> None:

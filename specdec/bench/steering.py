@@ -14,12 +14,12 @@ of accepted tokens per round, and the checks of the steering issue.
 from __future__ import annotations
 
 import json
-import random
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
+from specdec.bench.stats import paired_ratio_interval
 from specdec.core.drafter_checkpoint import is_drafter_checkpoint, read_meta
 from specdec.core.hub import resolve_alias
 from specdec.core.models import hf_greedy
@@ -152,20 +152,11 @@ def _add_speedups(rows: list[dict]) -> None:
 
 
 def gain_interval(treated: dict, control: dict, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95% paired-bootstrap interval of treated's accepted-per-round gain over control's.
-
-    Prompts are resampled with replacement, the same draw for both rows (they decoded the
-    same prompts), and the gain is a ratio of sums, as in the rows' means."""
-    n = len(treated["accepted_per_prompt"])
-    rng = random.Random(seed)
-    gains = []
-    for _ in range(draws):
-        picks = [rng.randrange(n) for _ in range(n)]
-        rates = [sum(r["accepted_per_prompt"][i] for i in picks) / max(1, sum(r["speculative_rounds_per_prompt"][i] for i in picks)) for r in (treated, control)]
-        if rates[1] > 0:
-            gains.append(rates[0] / rates[1] - 1)
-    gains.sort()
-    return gains[int(0.025 * len(gains))], gains[int(0.975 * len(gains)) - 1]
+    """A 95% paired-bootstrap interval (over prompts) of treated's accepted-per-round gain over control's."""
+    low, high = paired_ratio_interval(
+        *[(r["accepted_per_prompt"], r["speculative_rounds_per_prompt"]) for r in (treated, control)], draws=draws, seed=seed
+    )
+    return low - 1, high - 1
 
 
 def steering_checks(rows: list[dict]) -> list[dict]:

@@ -130,45 +130,30 @@ class UnsupportedModel(ValueError):
     pass
 
 
-def check_tree_attention(model: torch.nn.Module) -> None:
-    """Verifies a tiny draft tree in one pass and compares every node's logits with a plain
-    forward over its path. Architectures that ignore a custom 4-D mask or position ids
-    (e.g. some with ALiBi or sliding windows) are refused here, before they could verify
+def check_tree_attention(engine, config) -> None:
+    """Verifies a tiny draft tree in one pass of `engine` and compares every node's logits
+    with a plain pass over its path. Architectures that ignore a custom 4-D mask or position
+    ids (e.g. some with ALiBi or sliding windows) are refused here, before they could verify
     trees wrongly."""
-    vocab = model.config.vocab_size
+    vocab = config.vocab_size
     context = [t % vocab for t in (1, 5, 7, 3, 9)]
     tree = DraftTree([t % vocab for t in (4, 6, 8, 10, 11)], [-1, -1, 0, 0, 1])
     refusal = (
-        f"model type '{model.config.model_type}' does not honour a custom 4-D attention mask with position ids, "
+        f"model type '{config.model_type}' does not honour a custom 4-D attention mask with position ids, "
         "so it cannot verify or draft a tree in one pass; use a Llama, Qwen2, Mistral, GPT-2 or another family that does"
     )
     try:
-        logits, reference = _tree_and_path_logits(model, context, tree)
+        with torch.inference_mode():
+            cache = engine.new_cache()
+            engine(cache, context[:3])
+            positions, mask = verification_inputs(tree, 3, 2)
+            logits, _ = engine(cache, context[3:] + tree.token_ids, len(tree), position_ids=positions, attention_mask=mask)
+            paths = [context + [tree.token_ids[n] for n in tree.path_to(node)] for node in range(len(tree))]
+            reference = torch.cat([engine(engine.new_cache(), path)[0] for path in paths])
     except Exception as err:  # an architecture that rejects the mask outright
         raise UnsupportedModel(f"{refusal} ({type(err).__name__}: {err})") from None
     finite = torch.isfinite(reference)
     scale = reference[finite].abs().max().clamp_min(1.0)
-    tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
+    tolerance = 1e-3 if getattr(config, "dtype", None) in (None, torch.float32) else 3e-2
     if not torch.equal(finite, torch.isfinite(logits)) or ((logits - reference)[finite].abs().max() / scale) > tolerance:
         raise UnsupportedModel(refusal)
-
-
-def _tree_and_path_logits(model: torch.nn.Module, context: list[int], tree) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each tree node's logits from one masked pass over a cache, and from a plain forward over its path."""
-    from transformers import DynamicCache
-
-    device = model.device
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([context[:3]], device=device), past_key_values=cache, use_cache=True)
-        positions, mask = verification_inputs(tree, 3, 2)
-        logits = model(
-            input_ids=torch.tensor([context[3:] + tree.token_ids], device=device),
-            past_key_values=cache,
-            use_cache=True,
-            position_ids=positions.to(device),
-            attention_mask=mask.to(device),
-        ).logits[0, 2:].float()
-        paths = [context + [tree.token_ids[n] for n in tree.path_to(node)] for node in range(len(tree))]
-        reference = torch.stack([model(input_ids=torch.tensor([p], device=device)).logits[0, -1].float() for p in paths])
-    return logits, reference

@@ -1,0 +1,90 @@
+"""`specdec bench --cost-curve`: what one forward costs for k new tokens after a committed
+context, for the served engine and for float32 transformers, measured interleaved (every
+repetition visits every engine and k in turn, so a drift in machine speed hits all alike)."""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.core.engine import TransformersEngine, engine_for
+from specdec.core.models import ModelSpec, load_model
+
+
+def _engines(config) -> dict[str, tuple[str, object]]:
+    """name -> (role, engine): the served verifier and drafter, and float32 transformers."""
+    served = config.verifier.model
+    engines = {f"served verifier ({served.dtype})": ("verifier", engine_for(load_model(served), served.dtype))}
+    if served.dtype != "float32":
+        fp32 = ModelSpec(served.source, served.layers, "float32", served.device)
+        engines["float32 transformers verifier"] = ("verifier", TransformersEngine(load_model(fp32)))
+    drafter = config.drafter.model
+    engines[f"served drafter ({drafter.dtype})"] = ("drafter", engine_for(load_model(drafter), drafter.dtype))
+    return engines
+
+
+def run_cost_curve(config, context_ids: list[int], tokens: list[int], repeats: int = 12) -> list[dict]:
+    engines = _engines(config)
+    times: dict[tuple[str, int], list[float]] = {}
+    with torch.inference_mode():
+        caches = {}
+        for name, (_, engine) in engines.items():
+            caches[name] = engine.new_cache()
+            engine(caches[name], context_ids)
+        for repeat in tqdm(range(repeats + 2), desc="cost curve", unit="round"):
+            for name, (role, engine) in engines.items():
+                for k in tokens if role == "verifier" else [1]:
+                    cache = caches[name]
+                    cache.truncate(len(context_ids))
+                    new = context_ids[-k:] if k <= len(context_ids) else (context_ids * k)[:k]
+                    start = time.perf_counter()
+                    engine(cache, new, num_logits=k)
+                    if repeat >= 2:  # the first two warm caches and allocators
+                        times.setdefault((name, k), []).append((time.perf_counter() - start) * 1e3)
+    rows = []
+    for name, (role, _) in engines.items():
+        one = statistics.median(times[(name, 1)])
+        for k in tokens if role == "verifier" else [1]:
+            median = statistics.median(times[(name, k)])
+            rows.append({
+                "method": "cost_curve", "engine": name, "model": role, "tokens": k, "context": len(context_ids),
+                ("verify_ms" if role == "verifier" else "draft_step_ms"): median, "ratio_to_one_token": median / one,
+            })
+    return rows
+
+
+def format_cost_curve(rows: list[dict]) -> str:
+    lines = ["engine | tokens | ms (median) | x one token", "---|---|---|---"]
+    for r in rows:
+        ms = r.get("verify_ms", r.get("draft_step_ms"))
+        lines.append(f"{r['engine']} | {r['tokens']} | {ms:.1f} | {r['ratio_to_one_token']:.2f}")
+    return "\n".join(lines)
+
+
+def plot_cost_curve(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (absolute, relative) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["engine"] for r in rows if r["model"] == "verifier"):
+        mine = [r for r in rows if r["engine"] == name]
+        ks = [r["tokens"] for r in mine]
+        absolute.plot(ks, [r["verify_ms"] for r in mine], marker="o", label=name)
+        relative.plot(ks, [r["ratio_to_one_token"] for r in mine], marker="o", label=name)
+    for r in rows:
+        if r["model"] == "drafter":
+            absolute.axhline(r["draft_step_ms"], linestyle=":", color="grey", label=f"{r['engine']}: one step")
+    absolute.set(xscale="log", xlabel="new tokens in the pass (k)", ylabel="forward time (ms, median)", title=f"verifier forward after {rows[0]['context']} tokens")
+    relative.set(xscale="log", xlabel="new tokens in the pass (k)", ylabel="T(k) / T(1)", title="cost of verifying k tokens, relative")
+    relative.axhline(1.0, color="grey", linewidth=0.5)
+    for ax in (absolute, relative):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
