@@ -6,6 +6,7 @@ import time
 import grpc
 
 from drafter_service.drafter import DrafterEngine
+from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, vector_from_tensor
 from specdec.serving.rpc import invalid, reports_errors, start_server
@@ -20,8 +21,8 @@ from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine):
-        self.engine = engine
+    def __init__(self, engine: DrafterEngine, compute: ComputeThread):
+        self.engine, self.compute = engine, compute
 
     @reports_errors
     def Info(self, request, context):
@@ -34,7 +35,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise invalid("session_id is empty")
         if request.HasField("start"):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
-            session = self.engine.open_session(
+            session = self.compute.run(
+                self.engine.open_session,
                 request.session_id,
                 list(request.start.context_token_ids),
                 sampling,
@@ -51,7 +53,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 steering = vector_from_tensor(request.steering, self.engine.steering_size)
             except SteeringError as err:
                 raise invalid(str(err)) from None
-        tree, assumed, compute_ms, steering_ms = self.engine.draft(
+        tree, assumed, compute_ms, steering_ms = self.compute.run(
+            self.engine.draft,
             request.session_id,
             session,
             list(request.new_token_ids),
@@ -78,11 +81,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 def start(config, steering_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering checkpoint) and starts serving it;
     returns (grpc server, bound port)."""
-    set_torch_threads(config.torch_threads)
-    engine = DrafterEngine(
+    compute = ComputeThread()
+    compute.run(set_torch_threads, config.torch_threads)
+    engine = compute.run(
+        DrafterEngine,
         config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s, steering_checkpoint=steering_checkpoint
     )
-    servicer = DrafterServicer(engine)
+    servicer = DrafterServicer(engine, compute)
     server, bound, _ = start_server(
         lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
         config.host,

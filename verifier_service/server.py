@@ -5,6 +5,7 @@ import time
 
 import grpc
 
+from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.serving.rpc import invalid, reports_errors, start_server
 from specdec.serving.wire import (
@@ -18,8 +19,8 @@ from verifier_service.verifier import VerifierEngine
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine):
-        self.engine = engine
+    def __init__(self, engine: VerifierEngine, compute: ComputeThread):
+        self.engine, self.compute = engine, compute
 
     @reports_errors
     def Info(self, request, context):
@@ -32,13 +33,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise invalid("session_id is empty")
         if request.HasField("start"):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
-            session = self.engine.open_session(request.session_id, list(request.start.context_token_ids), sampling)
+            session = self.compute.run(self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling)
         else:
             session = self.engine.sessions.get(request.session_id)
         tree = tree_from_proto(request.tree)
         if request.fused_tokens and len(tree):
             raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
-        result = self.engine.verify(session, request.round, tree, request.fused_tokens, request.steering)
+        result = self.compute.run(self.engine.verify, session, request.round, tree, request.fused_tokens, request.steering)
         return verifier_pb2.VerifyResponse(
             token_ids=result.token_ids,
             num_accepted_draft_tokens=result.num_accepted,
@@ -58,9 +59,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 def start(config, steering_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering checkpoint) and starts serving it;
     returns (grpc server, bound port)."""
-    set_torch_threads(config.torch_threads)
-    engine = VerifierEngine(config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, steering_checkpoint)
-    servicer = VerifierServicer(engine)
+    compute = ComputeThread()
+    compute.run(set_torch_threads, config.torch_threads)
+    engine = compute.run(
+        VerifierEngine, config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, steering_checkpoint
+    )
+    servicer = VerifierServicer(engine, compute)
     server, bound, _ = start_server(
         lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
         config.host,
