@@ -160,12 +160,8 @@ class LlamaEngine(torch.nn.Module):
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         config = model.config
-        return (
-            config.model_type in LlamaEngine.SUPPORTED
-            and getattr(config, "hidden_act", "silu") == "silu"
-            and not getattr(config, "sliding_window", None)
-            and not getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        )
+        windowed = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)
+        return config.model_type in LlamaEngine.SUPPORTED and getattr(config, "hidden_act", "silu") == "silu" and not windowed
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device)
