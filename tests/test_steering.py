@@ -352,7 +352,7 @@ def test_ablation_prompt_sets_and_checks(steering_runs):
         # Four prompts of 10 speculative rounds each; `accepted` per prompt.
         return {"steering": variant, "temperature": temperature, "prompt_set": "in-distribution", "mean_accepted_per_round": sum(accepted) / 40,
                 "accepted_per_prompt": accepted, "speculative_rounds_per_prompt": [10] * 4,
-                "steering_share_of_round_time": share, "greedy_matches_hf_generate": exact}
+                "steering_share_of_round_time": share, "greedy_matches_verifier_alone": exact}
 
     steered, distilled = [12, 11, 11, 11], [10, 10, 10, 10]  # +12.5%
     checks = steering_checks([row("steered", 0, steered), row("unsteered", 0, [8] * 4), row("distilled-only", 0, distilled),
