@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.core.engine import TransformersEngine, engine_for
+from specdec.core.engine import LlamaEngine, engine_for
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
@@ -68,8 +68,9 @@ class DrafterEngine:
         if steering_checkpoint:
             self.steering, self.steering_fingerprint = load_drafter_steering(steering_checkpoint, self.model)
         self.steering_size = self.steering.norm.normalized_shape[0] if self.steering else 0
-        # Steering hooks into transformers' own modules, so a steered drafter runs them.
-        self.engine = TransformersEngine(self.model) if self.steering else engine_for(self.model, spec.dtype)
+        self.engine = engine_for(self.model, spec.dtype)
+        if self.steering and isinstance(self.engine, LlamaEngine):
+            self.engine.up_delta = self.steering.delta  # transformers' modules get theirs through hooks
         check_tree_attention(self.engine, self.model.config)
 
     def open_session(self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str) -> DrafterSession:

@@ -159,3 +159,29 @@ def test_int8_services_equal_the_served_verifier_alone(tiny_dirs, method):
             assert list(drafted.token_ids) == list(alone.token_ids), ids
             assert drafted.stats.drafted_tokens > 0 and alone.stats.drafted_tokens == 0
         client.close()
+
+
+def test_engine_applies_sd2_deltas_as_the_hooks_do(tiny_model):
+    """A steered drafter on the engine: the up-branch deltas the engine adds equal what the
+    steering hooks add inside transformers' modules."""
+    from specdec.core.engine import TransformersEngine
+    from specdec.core.steering import DrafterSteering
+
+    model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()
+    torch.manual_seed(4)
+    steering = DrafterSteering.for_model(model, steering_size=16)
+    torch.nn.init.normal_(steering.proj.weight, std=0.5)
+    steering.attach(model)
+    engine = LlamaEngine(model)
+    engine.up_delta = steering.delta
+    vector, context = torch.randn(16), [1, 5, 7, 3, 9, 4]
+    with torch.inference_mode():
+        results = []
+        for runner in (TransformersEngine(model), engine):
+            with steering.steer(vector):
+                steered, _ = runner(runner.new_cache(), context, num_logits=3)
+            plain, _ = runner(runner.new_cache(), context, num_logits=3)
+            results.append((steered, plain))
+    (hooked, hooked_plain), (fused, fused_plain) = results
+    assert torch.allclose(hooked, fused, atol=1e-5) and torch.allclose(hooked_plain, fused_plain, atol=1e-5)
+    assert not torch.allclose(hooked, hooked_plain, atol=1e-3)

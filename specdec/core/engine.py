@@ -12,6 +12,7 @@ the other tokens would move every token's scale.)
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -156,6 +157,8 @@ class LlamaEngine(torch.nn.Module):
         self.intermediate = config.intermediate_size
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        # SD² steering: layer index -> delta added to the up-branch (None = none this forward).
+        self.up_delta: Callable[[int], torch.Tensor | None] | None = None
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -200,6 +203,9 @@ class LlamaEngine(torch.nn.Module):
             attended = _attention(q, cache.keys[index, :, : start + count], cache.values[index, :, : start + count], mask).to(x.dtype)
             x = x + block.o(attended.transpose(1, 2).reshape(1, count, self.q_size))
             gate, up = block.gate_up(block.post_norm(x)).split(self.intermediate, dim=-1)
+            delta = self.up_delta(index) if self.up_delta is not None else None
+            if delta is not None:
+                up = up + delta.to(up.dtype)
             x = x + block.down(torch.nn.functional.silu(gate) * up)
             if keep is not None:
                 keep.append(x)

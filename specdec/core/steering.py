@@ -104,11 +104,15 @@ class DrafterSteering(torch.nn.Module):
 
     def _hook(self, index: int):
         def add_delta(module, inputs, output):
-            if self._deltas is None:
-                return None
-            return output + self._deltas[index].to(output.dtype)
+            delta = self.delta(index)
+            return None if delta is None else output + delta.to(output.dtype)
 
         return add_delta
+
+    def delta(self, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s delta while steering is on (None otherwise): what an engine that runs
+        its own forward adds to the up-branch, as the hooks do for transformers' modules."""
+        return None if self._deltas is None else self._deltas[layer]
 
     def deltas(self, vectors: torch.Tensor) -> torch.Tensor:
         """(..., H_v) -> (..., n_layers, width)."""
