@@ -90,18 +90,15 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_linears(module: torch.nn.Module, input_ranges: dict[str, torch.Tensor] | None = None, prefix: str = "") -> int:
+def quantize_linears(module: torch.nn.Module, input_ranges: dict[str, torch.Tensor] | None = None, prefix: str = "") -> None:
     """Replaces every torch.nn.Linear under `module` by an Int8Linear, in place, smoothed by
-    `input_ranges` (qualified module name -> per-channel input range) where given; returns how many."""
-    count = 0
+    `input_ranges` (qualified module name -> per-channel input range) where given."""
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
         if isinstance(child, torch.nn.Linear):
             setattr(module, name, Int8Linear.from_linear(child, (input_ranges or {}).get(qualified)))
-            count += 1
         else:
-            count += quantize_linears(child, input_ranges, f"{qualified}.")
-    return count
+            quantize_linears(child, input_ranges, f"{qualified}.")
 
 
 def torch_dtype(weights: str) -> torch.dtype:
@@ -123,8 +120,8 @@ def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
 
 class LlamaEngine(torch.nn.Module):
     """A Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral without a sliding window) run by
-    one short forward of its own: fused q|k|v and gate|up layers, rotary tables from the
-    model's own rotary embedding, an in-place KV cache, logits only where asked. It reads the
+    one short forward of its own: fused q|k|v and gate|up layers, the model's own rotary
+    embedding, an in-place KV cache, logits only where asked. It reads the
     weights of a transformers model (its linears may be Int8Linear) and gives the same
     results as that model up to float rounding."""
 
@@ -136,7 +133,6 @@ class LlamaEngine(torch.nn.Module):
         if not self.supports(model):
             raise ValueError(f"LlamaEngine does not run model type '{config.model_type}'")
         inner = model.model
-        self.config = config
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm = inner.norm

@@ -45,9 +45,8 @@ class KVCache:
         if length > capacity:
             while capacity < length:
                 capacity *= 2
-            grown = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
             for name in ("keys", "values"):
-                bigger = torch.empty_like(grown)
+                bigger = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
                 bigger[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
                 setattr(self, name, bigger)
 
