@@ -27,6 +27,7 @@ class ServiceCall:
     cost: CallCost
     steering_ms: float = 0.0  # of compute_ms, the service's steering work
     steering_bytes: int = 0  # steering vector bytes this call carried
+    feature_bytes: int = 0  # verifier feature bytes this call carried
 
     @property
     def overhead_ms(self) -> float:
@@ -46,6 +47,15 @@ class ServicePair:
             raise PairMismatch(
                 f"mismatched tokenizers: drafter '{self.drafter_info.model}' and verifier '{self.verifier_info.model}' "
                 "do not share one tokenizer, so the drafter's token ids mean nothing to the verifier"
+            )
+        drafter, verifier = self.drafter_info, self.verifier_info
+        # A feature head drafts from the verifier's features alone: without them it cannot draft.
+        self.features = drafter.feature_size > 0
+        if self.features and (drafter.feature_size, drafter.feature_fingerprint) != (verifier.feature_size, verifier.feature_fingerprint):
+            raise PairMismatch(
+                f"the drafter '{drafter.model}' is a feature head, but the verifier "
+                + ("loaded no feature head checkpoint" if not verifier.feature_size else "loaded another feature head checkpoint")
+                + "; start it with the drafter's directory as its feature_checkpoint (the config does this when the drafter is one)"
             )
 
     def steering_problem(self) -> str | None:
@@ -69,24 +79,36 @@ class PairSession:
     """One request's session on both services. Tracks what each side has seen, so a round sends
     only the new tokens, and re-opens a side with the full context if it lost the session."""
 
-    def __init__(self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int], steering: bool = False):
+    def __init__(
+        self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int], steering: bool = False,
+        features: bool = False,
+    ):
         self.pair = pair
         self.session_id = session_id
         self.sampling = sampling
         self.context = list(context)
         self.steering = steering
         self.steering_vector: common_pb2.Tensor | None = None  # the verifier's latest, for the next draft
+        # Feature head: the verifier's features of positions [0, count), float16 rows, and how
+        # many of them the drafter holds.
+        self.features = features
+        self._feature_rows = bytearray()
+        self._feature_count = self._drafter_features = 0
         self._drafter_seen: int | None = None  # context length the drafter has; None = not open
         self._verifier_round = 0
         self._verifier_open = False
 
     def draft(
-        self, num_tokens: int, shape: TreeShape, assumed: list[int] = (), context_length: int | None = None
+        self, num_tokens: int, shape: TreeShape, assumed: list[int] = (), context_length: int | None = None,
+        pick_excludes: list[int] = (),
     ) -> tuple[drafter_pb2.DraftResponse, ServiceCall]:
         """A draft after the committed context, or (overlapped drafting) after its first
-        `context_length` tokens plus `assumed` ones, while a verify call is in flight."""
+        `context_length` tokens plus `assumed` ones and the drafter's pick of the next (not one
+        of `pick_excludes`), while a verify call is in flight."""
         context = self.context[:context_length]
         steering = self.steering_vector  # the first round, before any vector exists, is unsteered
+        feature_count = self._feature_count  # a verify call in flight may add more meanwhile
+        sent_features = 0
 
         def request(reopen: bool) -> drafter_pb2.DraftRequest:
             message = drafter_pb2.DraftRequest(
@@ -95,6 +117,7 @@ class PairSession:
                 num_draft_tokens=num_tokens,
                 tree_shape=shape_to_proto(shape),
                 assumed_token_ids=assumed,
+                pick_excludes=pick_excludes,
             )
             if steering is not None:
                 message.steering.CopyFrom(steering)
@@ -103,19 +126,37 @@ class PairSession:
                 message.verifier_tokenizer_fingerprint = self.pair.verifier_info.tokenizer_fingerprint
             else:
                 message.new_token_ids.extend(context[self._drafter_seen :])
+            if self.features:
+                nonlocal sent_features
+                first = 0 if reopen else self._drafter_features
+                if feature_count > first:
+                    width = self.pair.verifier_info.feature_size
+                    message.features_start = first
+                    message.features.CopyFrom(
+                        common_pb2.Tensor(shape=[feature_count - first, width], dtype="float16", data=bytes(self._feature_rows[first * width * 2 : feature_count * width * 2]))
+                    )
+                sent_features = len(message.features.data)
             return message
 
         reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None)
         self._drafter_seen = len(context)
+        self._drafter_features = max(self._drafter_features, feature_count) if self.features else 0
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
+        call.feature_bytes = sent_features
         return reply, call
+
+    @property
+    def can_draft(self) -> bool:
+        """A feature head drafts only once the verifier has read the prompt and sent its features."""
+        return not self.features or self._feature_count > 0
 
     def verify(self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0) -> tuple[verifier_pb2.VerifyResponse, ServiceCall]:
         def request(reopen: bool) -> verifier_pb2.VerifyRequest:
             if reopen:
                 self._verifier_round = 0
             message = verifier_pb2.VerifyRequest(
-                session_id=self.session_id, round=self._verifier_round + 1, fused_tokens=fused_tokens, steering=self.steering
+                session_id=self.session_id, round=self._verifier_round + 1, fused_tokens=fused_tokens, steering=self.steering,
+                features=self.features,
             )
             if tree is not None:
                 message.tree.CopyFrom(tree)
@@ -130,7 +171,21 @@ class PairSession:
         if reply.HasField("steering"):
             self.steering_vector = reply.steering
             call.steering_ms, call.steering_bytes = reply.steering_ms, len(reply.steering.data)
+        if reply.HasField("features"):
+            self._add_features(reply.features_start, reply.features)
+            call.feature_bytes = len(reply.features.data)
         return reply, call
+
+    def _add_features(self, start: int, tensor: common_pb2.Tensor) -> None:
+        """Keeps the verifier's feature rows by position. A re-opened verifier sends them again
+        from where it restarted; the drafter is then sent them again too."""
+        row_bytes = self.pair.verifier_info.feature_size * 2
+        if tensor.dtype != "float16" or start > self._feature_count or len(tensor.data) != tensor.shape[0] * row_bytes:
+            raise RuntimeError(f"the verifier sent malformed features (start {start}, shape {list(tensor.shape)}, {tensor.dtype})")
+        del self._feature_rows[start * row_bytes :]
+        self._feature_rows += tensor.data
+        self._feature_count = start + tensor.shape[0]
+        self._drafter_features = min(self._drafter_features, start)
 
     def close(self) -> None:
         """Frees the session on both sides without waiting for the answers."""

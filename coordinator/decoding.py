@@ -30,6 +30,7 @@ class Meter:
     bytes_received: int = 0
     budget_total: int = 0
     steering_bytes: int = 0
+    feature_bytes: int = 0
     draft_steering_ms: float = 0.0
     verify_steering_ms: float = 0.0
     overlap_hits: int = 0
@@ -46,6 +47,7 @@ class Meter:
             self.verify_wire_ms += call.overhead_ms
             self.verify_steering_ms += call.steering_ms
         self.steering_bytes += call.steering_bytes
+        self.feature_bytes += call.feature_bytes
         self.serialization_ms += call.cost.serialize_ms + call.cost.deserialize_ms
         self.bytes_sent += call.cost.bytes_sent
         self.bytes_received += call.cost.bytes_received
@@ -55,7 +57,9 @@ class Meter:
         self.plan_rounds[plan.label] += 1
         self.budget_total += plan.budget
 
-    def stats(self, policy: str, overlap: bool, steering: bool, budget: int, tree_method: str, generated: int) -> coordinator_pb2.RoundStats:
+    def stats(
+        self, policy: str, overlap: bool, steering: bool, budget: int, tree_method: str, generated: int, features: bool = False
+    ) -> coordinator_pb2.RoundStats:
         total_ms = (time.perf_counter() - self.started) * 1e3
         return coordinator_pb2.RoundStats(
             rounds=self.rounds,
@@ -85,6 +89,8 @@ class Meter:
             steering_bytes=self.steering_bytes,
             verify_steering_ms=self.verify_steering_ms,
             draft_steering_ms=self.draft_steering_ms,
+            features=features,
+            feature_bytes=self.feature_bytes,
         )
 
 
@@ -115,16 +121,19 @@ def decode_rounds(
     The policy picks each round's plan: draft tree nodes and method (shaped by `shape`), or
     budget 0 for the verifier alone; it hears back what the round cost. With `overlap`
     (a thread pool for the verify calls), the drafter drafts the next round while the
-    verifier checks this one, assuming the tree's likeliest path is accepted; when it was,
-    the next round starts without waiting for the drafter."""
+    verifier checks this one, guessing the likeliest outcome (`overlap_guess`); when it came
+    true, the next round starts without waiting for the drafter."""
     generated, ahead = 0, None  # ahead: an overlapped draft, with the plan it was made for
+    accepted_counts: Counter = Counter()  # this request's speculative rounds by tokens accepted
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
         plan = policy.choose()
         depth = min(shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
-        if plan.budget == 0 or depth <= 0:
+        if plan.budget == 0 or depth <= 0 or not session.can_draft:
+            # Before a feature head can draft, one verifier token brings the prompt's features.
+            fused = min(fused_block, remaining) if session.can_draft else 1
             plan, ahead = Plan(0), None
-            verdict, verify_call = session.verify(None, fused_tokens=min(fused_block, remaining))
+            verdict, verify_call = session.verify(None, fused_tokens=fused)
             report = RoundReport(plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms)
         else:
             round_shape = replace(shape, method=plan.method, max_depth=depth)
@@ -142,7 +151,8 @@ def decode_rounds(
             else:
                 context_length = len(session.context)
                 verifying = overlap.submit(session.verify, draft.tree)
-                next_draft, next_call = session.draft(plan.budget, round_shape, likeliest_path(structure), context_length)
+                assumed, excludes = overlap_guess(structure, accepted_counts)
+                next_draft, next_call = session.draft(plan.budget, round_shape, assumed, context_length, excludes)
                 meter.add_call(next_call, is_draft=True)
                 verdict, verify_call = verifying.result()
                 hit = list(next_draft.assumed_token_ids) == list(verdict.token_ids)
@@ -154,6 +164,7 @@ def decode_rounds(
             )
             meter.speculative_rounds += 1
             meter.accepted += verdict.num_accepted_draft_tokens
+            accepted_counts[verdict.num_accepted_draft_tokens] += 1
             meter.drafted += nodes
         policy.observe(report)
         meter.add_call(verify_call, is_draft=False)
@@ -162,10 +173,20 @@ def decode_rounds(
         yield list(verdict.token_ids)
 
 
-def likeliest_path(tree: DraftTree) -> list[int]:
-    """The drafter's own first choice at every depth: each node's first child."""
+def overlap_guess(tree: DraftTree, accepted_counts: Counter) -> tuple[list[int], list[int]]:
+    """What to draft the next round after, while this one is verified: the drafter's first
+    choices (each node's first child) up to the likeliest number of accepted tokens, by this
+    request's rounds so far (all of them until there are some; ties go deeper), and, when that
+    number stops short of the path, the tokens the verifier's correction cannot be (the
+    children it rejected there). Returns (assumed tokens, excluded picks)."""
     path, children = [], tree.children(ROOT)
     while children:
-        path.append(tree.token_ids[children[0]])
+        path.append(children[0])
         children = tree.children(children[0])
-    return path
+    full = sum(count for accepted, count in accepted_counts.items() if accepted >= len(path))
+    chances = [accepted_counts[j] for j in range(len(path))] + [full]
+    stop = max(range(len(path) + 1), key=lambda j: (chances[j], j))
+    assumed = [tree.token_ids[node] for node in path[:stop]]
+    if stop == len(path):
+        return assumed, []
+    return assumed, [tree.token_ids[child] for child in tree.children(path[stop - 1] if stop else ROOT)]

@@ -115,7 +115,8 @@ class Coordinator:
             top_k=request.top_k,
             seed=request.seed,
         )
-        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, steering)
+        features = self.pair.features and (adaptive or budget > 0)
+        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, steering, features)
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
         meter = Meter()
         try:
@@ -131,7 +132,7 @@ class Coordinator:
         finally:
             session.close()
         tokens, text = output.take_delta()
-        stats = meter.stats("adaptive" if adaptive else "fixed", overlap, steering, budget, shape.method, len(output.token_ids))
+        stats = meter.stats("adaptive" if adaptive else "fixed", overlap, steering, budget, shape.method, len(output.token_ids), features)
         if self.on_finished is not None:
             try:
                 self.on_finished(stats)

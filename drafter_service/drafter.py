@@ -54,17 +54,21 @@ class DrafterEngine:
         steering_checkpoint: str | None = None,
     ):
         self.spec = spec
-        self.model = load_model(spec)
         self.tokenizer = load_tokenizer(spec.source)
         self.vocab_size = len(self.tokenizer)
-        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.max_context = max_context(self.model)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.proposal_top_k = proposal_top_k
         self.max_draft_tokens = max_draft_tokens
         self.sessions: SessionStore[DrafterSession] = SessionStore(max_sessions, session_ttl_s)
         self._model_lock = threading.Lock()
         self.steering, self.steering_fingerprint = None, ""
+        self.feature_size, self.feature_fingerprint = 0, ""  # a drafter that reads verifier features sets them
+        self._load(spec, steering_checkpoint)
+
+    def _load(self, spec: ModelSpec, steering_checkpoint: str | None) -> None:
+        self.model = load_model(spec)
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.max_context = max_context(self.model)
         if steering_checkpoint:
             self.steering, self.steering_fingerprint = load_drafter_steering(steering_checkpoint, self.model)
         self.steering_size = self.steering.norm.normalized_shape[0] if self.steering else 0
@@ -80,11 +84,12 @@ class DrafterEngine:
                 f"({verifier_fingerprint} vs {self.fingerprint}); a pair must share one tokenizer"
             )
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
-        session = DrafterSession(
-            list(context), sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self.engine.new_cache()
-        )
+        session = self._new_session(list(context), sampling)
         self.sessions.put(session_id, session)
         return session
+
+    def _new_session(self, context: list[int], sampling: Sampling) -> DrafterSession:
+        return DrafterSession(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self.engine.new_cache())
 
     def draft(
         self,
@@ -96,11 +101,15 @@ class DrafterEngine:
         shape: TreeShape,
         assumed: list[int] = (),
         steering: torch.Tensor | None = None,
+        features: tuple[int, torch.Tensor] | None = None,
+        pick_excludes: list[int] = (),
     ) -> tuple[DraftTree, list[int], float, float]:
         """Commits new_tokens and drafts a tree of at most num_tokens nodes after the context.
         With `assumed` tokens (overlapped drafting) the tree is drafted after the context plus
-        those tokens plus the drafter's own pick of the next one, all uncommitted. A steering
-        vector steers every token this call feeds. Returns the tree, what it assumed, the
+        those tokens plus the drafter's own pick of the next one (its likeliest outside
+        `pick_excludes`), all uncommitted. A steering
+        vector steers every token this call feeds; `features` (first position, rows) are the
+        verifier's, for a drafter that reads them. Returns the tree, what it assumed, the
         compute time and, of it, the steering's, in ms."""
         if not 1 <= num_tokens <= self.max_draft_tokens:
             raise invalid(f"num_draft_tokens must be in [1, {self.max_draft_tokens}], got {num_tokens}")
@@ -108,7 +117,7 @@ class DrafterEngine:
             shape.validate()
         except ValueError as err:
             raise invalid(f"tree_shape: {err}") from None
-        for name, ids in (("new_token_ids", new_tokens), ("assumed_token_ids", assumed)):
+        for name, ids in (("new_token_ids", new_tokens), ("assumed_token_ids", assumed), ("pick_excludes", pick_excludes)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise invalid(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
@@ -122,14 +131,19 @@ class DrafterEngine:
                 )
             if committed_length + len(assumed) + 1 + num_tokens > self.max_context:
                 raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, f"drafting would exceed the model's context of {self.max_context}")
+            if features is not None:
+                self._take_features(session, *features)
             session.tokens.extend(new_tokens)
             start = time.perf_counter()
             context = session.tokens + list(assumed)
             with self._model_lock, torch.inference_mode(), self._steered(steering) as steering_ms:
                 if assumed:
-                    context.append(self._pick_next(session, context))
+                    context.append(self._pick_next(session, context, pick_excludes))
                 tree = self._draft_tree(session, context, shape, num_tokens)
             return tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms[0]
+
+    def _take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
+        raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
 
     @contextmanager
     def _steered(self, vector: torch.Tensor | None):
@@ -180,9 +194,11 @@ class DrafterEngine:
         session.last_draft, session.fed_nodes = DraftTree(), []
         return logits
 
-    def _pick_next(self, session: DrafterSession, context: list[int]) -> int:
-        """The drafter's guess of the token after `context`: its likeliest one."""
-        return int(self._feed_context(session, context).argmax())
+    def _pick_next(self, session: DrafterSession, context: list[int], excludes: list[int] = ()) -> int:
+        """The drafter's guess of the token after `context`: its likeliest one not in `excludes`."""
+        logits = self._feed_context(session, context).clone()
+        logits[list(excludes)] = float("-inf")
+        return int(logits.argmax())
 
     def _draft_tree(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
         root_logits = self._feed_context(session, context)

@@ -6,9 +6,10 @@ import time
 import grpc
 
 from drafter_service.drafter import DrafterEngine
+from drafter_service.feature_drafter import drafter_for
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
-from specdec.core.steering import SteeringError, vector_from_tensor
+from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
 from specdec.serving.rpc import invalid, reports_errors, start_server
 from specdec.serving.wire import (
     DRAFTER_SERVICE,
@@ -53,6 +54,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 steering = vector_from_tensor(request.steering, self.engine.steering_size)
             except SteeringError as err:
                 raise invalid(str(err)) from None
+        features = None
+        if request.HasField("features"):
+            if not self.engine.feature_size:
+                raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
+            try:
+                features = request.features_start, rows_from_tensor(request.features, self.engine.feature_size)
+            except SteeringError as err:
+                raise invalid(str(err)) from None
         tree, assumed, compute_ms, steering_ms = self.compute.run(
             self.engine.draft,
             request.session_id,
@@ -63,6 +72,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             shape,
             list(request.assumed_token_ids),
             steering,
+            features,
+            list(request.pick_excludes),
         )
         return drafter_pb2.DraftResponse(
             tree=tree_to_proto(tree),
@@ -84,7 +95,7 @@ def start(config, steering_checkpoint: str | None = None) -> tuple[grpc.Server, 
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
-        DrafterEngine,
+        drafter_for,
         config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s, steering_checkpoint=steering_checkpoint
     )
     servicer = DrafterServicer(engine, compute)

@@ -113,16 +113,17 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
-def cmd_distill(args) -> int:
+def cmd_train(args) -> int:
+    """A training command: its recipe from the flags, then `args.train(recipe)`."""
     from specdec.serving.config import ConfigError
-    from specdec.train.distill import config_from_args, run_distill
+    from specdec.train.recipe_args import recipe_from_args
 
     try:
-        config = config_from_args(args)
+        recipe = recipe_from_args(args)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    run_distill(config)
+    args.train(recipe)
     return 0
 
 
@@ -163,11 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
-    distill = sub.add_parser("distill", help="distil a drafter toward the verifier (DistillSpec)")
-    from specdec.train.distill import add_distill_arguments
+    from specdec.train import distill, feature_head
+    from specdec.train.recipe_args import add_recipe_arguments
 
-    add_distill_arguments(distill)
-    distill.set_defaults(func=cmd_distill)
+    for name, module, recipe, run, description in (
+        ("distill", distill, distill.DistillConfig, distill.run_distill, "distil a drafter toward the verifier (DistillSpec)"),
+        (
+            "distill-feature-head", feature_head, feature_head.FeatureHeadConfig, feature_head.run_feature_head,
+            "train the drafter that reads the verifier's features (EAGLE-3 style)",
+        ),
+    ):
+        command = sub.add_parser(name, help=description)
+        add_recipe_arguments(command, recipe, module.LIST_HELP)
+        command.set_defaults(func=cmd_train, train=run)
 
     args = parser.parse_args(argv)
     return args.func(args)

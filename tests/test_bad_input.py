@@ -156,8 +156,8 @@ def test_coordinator_refuses_a_mismatched_pair(tiny_dirs):
     config = config_from_dict(
         {"verifier": {"model": str(tiny_dirs["verifier"])}, "drafter": {"model": str(tiny_dirs["other_words"])}}
     )
-    v_server, v_port = verifier_service.server.start(config.verifier, config.resolved_steering_checkpoint())
-    d_server, d_port = drafter_service.server.start(config.drafter, config.resolved_steering_checkpoint())
+    v_server, v_port = verifier_service.server.start(config.verifier, **config.checkpoints("verifier"))
+    d_server, d_port = drafter_service.server.start(config.drafter, **config.checkpoints("drafter"))
     try:
         with pytest.raises(PairMismatch, match="mismatched tokenizers"):
             ServicePair(f"localhost:{d_port}", f"localhost:{v_port}")

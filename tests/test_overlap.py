@@ -87,3 +87,21 @@ def test_sampling_with_overlap_follows_the_verifier_distribution(tiny_dirs, tiny
         client.close()
     assert hits > 200  # the draft made ahead was used often enough to matter
     assert_matches_distribution(counts, exact)
+
+
+def test_the_overlap_guess_follows_the_likeliest_outcome_rejections_included():
+    from collections import Counter
+
+    from coordinator.decoding import overlap_guess
+    from specdec.core.tree import DraftTree
+
+    # Root children 5 (first choice) and 6; 5 -> 7 (and 8); 7 -> 9.
+    tree = DraftTree([5, 6, 7, 8, 9], [-1, -1, 0, 0, 2])
+    assert overlap_guess(tree, Counter()) == ([5, 7, 9], [])  # nothing measured yet: all accepted
+    assert overlap_guess(tree, Counter({3: 2, 1: 1})) == ([5, 7, 9], [])
+    # Mostly one token accepted: assume it, and the correction is neither 7 nor 8.
+    assert overlap_guess(tree, Counter({1: 3, 3: 1})) == ([5], [7, 8])
+    # Mostly nothing accepted: the correction at the root is neither 5 nor 6.
+    assert overlap_guess(tree, Counter({0: 4, 2: 1})) == ([], [5, 6])
+    # Deeper rounds earlier (accepted beyond this path) count as this path fully accepted.
+    assert overlap_guess(DraftTree([5], [-1]), Counter({4: 2, 0: 1})) == ([5], [])

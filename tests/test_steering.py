@@ -325,15 +325,16 @@ def test_steering_checkpoint_defaults_to_the_drafters_own_directory(steer_dirs, 
 def test_distill_flags_parse_comma_separated_lists():
     import argparse
 
-    from specdec.train.distill import add_distill_arguments, config_from_args
+    from specdec.train.distill import LIST_HELP, DistillConfig
+    from specdec.train.recipe_args import add_recipe_arguments, recipe_from_args
 
     parser = argparse.ArgumentParser()
-    add_distill_arguments(parser)
+    add_recipe_arguments(parser, DistillConfig, LIST_HELP)
     args = parser.parse_args(["--steering", "--exclude-categories", "translation, math", "--steering-layers", "2,9,17"])
-    cfg = config_from_args(args)
+    cfg = recipe_from_args(args)
     assert cfg.steering and cfg.exclude_categories == ["translation", "math"] and cfg.steering_layers == [2, 9, 17]
     with pytest.raises(ConfigError, match="--steering-layers takes comma-separated integers"):
-        config_from_args(parser.parse_args(["--steering-layers", "a,b,c"]))
+        recipe_from_args(parser.parse_args(["--steering-layers", "a,b,c"]))
 
 
 def test_ablation_prompt_sets_and_checks(steering_runs):

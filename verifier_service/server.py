@@ -39,7 +39,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         tree = tree_from_proto(request.tree)
         if request.fused_tokens and len(tree):
             raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
-        result = self.compute.run(self.engine.verify, session, request.round, tree, request.fused_tokens, request.steering)
+        result = self.compute.run(self.engine.verify, session, request.round, tree, request.fused_tokens, request.steering, request.features)
         return verifier_pb2.VerifyResponse(
             token_ids=result.token_ids,
             num_accepted_draft_tokens=result.num_accepted,
@@ -48,6 +48,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             handler_ms=(time.perf_counter() - start) * 1e3,
             steering=common_pb2.Tensor(**result.steering) if result.steering else None,
             steering_ms=result.steering_ms,
+            features=common_pb2.Tensor(**result.features) if result.features else None,
+            features_start=result.features_start,
+            features_ms=result.features_ms,
         )
 
     @reports_errors
@@ -56,13 +59,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 
-def start(config, steering_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
-    """Loads the model (and its half of a steering checkpoint) and starts serving it;
-    returns (grpc server, bound port)."""
+def start(config, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
+    """Loads the model (and its half of a steering or feature head checkpoint) and starts
+    serving it; returns (grpc server, bound port)."""
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
-        VerifierEngine, config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, steering_checkpoint
+        VerifierEngine, config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, steering_checkpoint, feature_checkpoint
     )
     servicer = VerifierServicer(engine, compute)
     server, bound, _ = start_server(

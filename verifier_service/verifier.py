@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from specdec.core.engine import engine_for
+from specdec.core.feature_head import feature_fingerprint, load_feature_fuse
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
@@ -42,6 +43,9 @@ class RoundResult:
     compute_ms: float
     steering: dict | None = None  # common.Tensor fields of the steering vector, when asked for
     steering_ms: float = 0.0
+    features: dict | None = None  # common.Tensor fields of the committed positions' features, when asked for
+    features_start: int = 0  # the position of the first feature row
+    features_ms: float = 0.0
 
 
 @dataclass
@@ -62,7 +66,7 @@ class VerifierSession:
 class VerifierEngine:
     def __init__(
         self, spec: ModelSpec, max_sessions: int = 64, session_ttl_s: float = 600.0, max_tree_nodes: int = 256,
-        steering_checkpoint: str | None = None,
+        steering_checkpoint: str | None = None, feature_checkpoint: str | None = None,
     ):
         self.spec = spec
         self.model = load_model(spec)
@@ -80,6 +84,10 @@ class VerifierEngine:
         if steering_checkpoint:
             self.steering, self.steering_fingerprint = load_verifier_steering(steering_checkpoint, self.model)
         self.steering_size = self.model.config.hidden_size if self.steering else 0
+        self.fuse, self.feature_fingerprint = None, ""
+        if feature_checkpoint:
+            self.fuse, self.feature_fingerprint = load_feature_fuse(feature_checkpoint, self.model), feature_fingerprint(feature_checkpoint)
+        self.feature_size = self.model.config.hidden_size if self.fuse else 0
 
     def open_session(self, session_id: str, context: list[int], sampling: Sampling) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
@@ -88,7 +96,9 @@ class VerifierEngine:
         self.sessions.put(session_id, session)
         return session
 
-    def verify(self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False) -> RoundResult:
+    def verify(
+        self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False, features: bool = False
+    ) -> RoundResult:
         with session.lock:
             if round_number == session.last_round and session.last_result is not None:
                 return session.last_result  # a retried round commits nothing twice
@@ -103,6 +113,8 @@ class VerifierEngine:
                 raise invalid(str(err)) from None
             if steering and self.steering is None:
                 raise invalid("steering was asked for, but this verifier has no steering checkpoint loaded (the config's steering_checkpoint)")
+            if features and self.fuse is None:
+                raise invalid("features were asked for, but this verifier has no feature head checkpoint loaded (a feature-head drafter's directory)")
             if len(tree) > self.max_tree_nodes:
                 raise invalid(f"tree has {len(tree)} nodes; this verifier takes at most {self.max_tree_nodes}")
             if len(session.tokens) + len(tree) + max(fused_tokens, 1) > self.max_context:
@@ -111,52 +123,66 @@ class VerifierEngine:
                     f"the session would exceed the model's context of {self.max_context} tokens",
                 )
             start = time.perf_counter()
+            features_start = session.num_cached
+            hidden = steering or features
             with self._model_lock, torch.inference_mode():
                 if len(tree) == 0:
-                    (new_tokens, last_read), num_accepted = self._generate(session, max(fused_tokens, 1), steering), 0
+                    new_tokens, read = self._generate(session, max(fused_tokens, 1), hidden)
+                    num_accepted = 0
                 else:
-                    new_tokens, last_read = self._verify_tree(session, tree, steering)
+                    new_tokens, read = self._verify_tree(session, tree, hidden)
                     num_accepted = len(new_tokens) - 1
                 steering_start = time.perf_counter()
-                vector = vector_to_tensor_fields(self.steering(last_read)) if steering else None
+                vector = vector_to_tensor_fields(self.steering(_at(read, -1))) if steering else None
                 steering_ms = (time.perf_counter() - steering_start) * 1e3
+                features_begun = time.perf_counter()
+                fused = vector_to_tensor_fields(self.fuse(read)) if features else None
+                features_ms = (time.perf_counter() - features_begun) * 1e3
             compute_ms = (time.perf_counter() - start) * 1e3
             session.tokens.extend(new_tokens)
-            result = RoundResult(new_tokens, num_accepted, len(session.tokens), compute_ms, vector, steering_ms)
+            result = RoundResult(
+                new_tokens, num_accepted, len(session.tokens), compute_ms, vector, steering_ms, fused, features_start, features_ms
+            )
             session.last_round, session.last_result = round_number, result
             return result
 
-    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, steering: bool, **masking):
+    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, hidden: bool, **masking):
         """(logits of the last num_logits positions, hidden states of every layer or None)."""
-        return self.engine(session.cache, input_ids, num_logits, hidden_states=steering, **masking)
+        return self.engine(session.cache, input_ids, num_logits, hidden_states=hidden, **masking)
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor) -> int:
         if session.sampling.greedy:
             return int(logits.argmax())
         return sample(warp_probs(logits, session.sampling), session.generator)
 
-    def _generate(self, session: VerifierSession, max_tokens: int, steering: bool) -> tuple[list[int], tuple | None]:
-        """The new tokens, and (with steering) the hidden states of the last position read."""
+    def _generate(self, session: VerifierSession, max_tokens: int, hidden: bool) -> tuple[list[int], tuple | None]:
+        """The new tokens, and (with `hidden`) every layer's hidden states at the positions read,
+        all of which are committed."""
         new: list[int] = []
+        read = []
         pending = session.tokens[session.num_cached :]
         for _ in range(max_tokens):
-            logits, hidden = self._forward(session, pending, 1, steering)
+            logits, states = self._forward(session, pending, 1, hidden)
+            if hidden:
+                read.append(tuple(h[0] for h in states))
             token = self._choose(session, logits[-1])
             new.append(token)
             if token in self.eos_ids:
                 break
             pending = [token]
-        return new, _at(hidden, -1)
+        return new, tuple(torch.cat(layer) for layer in zip(*read)) if hidden else None
 
-    def _verify_tree(self, session: VerifierSession, tree: DraftTree, steering: bool) -> tuple[list[int], tuple | None]:
+    def _verify_tree(self, session: VerifierSession, tree: DraftTree, hidden: bool) -> tuple[list[int], tuple | None]:
+        """The new tokens, and (with `hidden`) every layer's hidden states at the positions
+        committed: the pending tokens and the accepted path; the last one gave the new token."""
         num_cached = session.num_cached
         pending = session.tokens[num_cached:]
         positions, mask = verification_inputs(tree, num_cached, len(pending))
-        logits, hidden = self._forward(
+        logits, states = self._forward(
             session,
             pending + tree.token_ids,
             len(tree) + 1,
-            steering,
+            hidden,
             position_ids=positions,
             attention_mask=mask,
         )
@@ -166,12 +192,12 @@ class VerifierEngine:
             path, next_token = accept_sampled(tree, warp_probs(logits, session.sampling), session.generator)
         committed_len = num_cached + len(pending)
         session.cache.keep_positions(committed_len, [committed_len + node for node in path])
-        # The last position read is the last accepted node (or the root): its output gave the new token.
-        last_read = len(pending) + path[-1] if path else len(pending) - 1
-        return [tree.token_ids[node] for node in path] + [next_token], _at(hidden, last_read)
+        committed = list(range(len(pending))) + [len(pending) + node for node in path]
+        read = None if states is None else tuple(h[0, committed] for h in states)
+        return [tree.token_ids[node] for node in path] + [next_token], read
 
 
-def _at(hidden_states: tuple | None, position: int) -> tuple | None:
-    """Every layer's hidden state at one position of a single-sequence forward."""
-    return None if hidden_states is None else tuple(h[0, position] for h in hidden_states)
+def _at(hidden_states: tuple, position: int) -> tuple:
+    """Every layer's hidden state at one of the positions read."""
+    return tuple(h[position] for h in hidden_states)
 

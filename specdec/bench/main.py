@@ -43,6 +43,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
     parser.add_argument("--budgets", default="2,4", help="comma-separated draft tree nodes per round for `speculative`")
     parser.add_argument("--trees", default="chain", help=f"comma-separated tree methods for `speculative` ({', '.join(TREE_METHODS)})")
+    parser.add_argument(
+        "--drafters",
+        help="comma-separated drafters compared side by side, each in its own stack (default: the config's); "
+        "NAME:unsteered runs a steered drafter without its steering",
+    )
+    parser.add_argument("--hf-assistant", help="the drafter of `hf_assisted` (default: the config's drafter, or the built-in distilled drafter where that one is a feature head)")
     add_tree_arguments(parser, with_method=False)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", help="YAML config for the stack (models, placement, speculation)")
@@ -111,7 +117,7 @@ def run_bench(args) -> int:
     from specdec.core.models import load_model, load_tokenizer
     from specdec.serving.app import build_config
     from specdec.serving.client import CoordinatorClient, generate_request
-    from specdec.serving.launch import start_stack, stop_stack
+    from specdec.serving.launch import APP_NAME, deploy, start_stack, stop_stack
     from specdec.serving.wire import shape_to_proto
 
     temperatures = [float(t) for t in args.temperature.split(",")]
@@ -179,13 +185,28 @@ def run_bench(args) -> int:
         print(format_sweep(report))
         print("wrote " + ", ".join(map(str, written)))
         return 0
-    address = args.address or start_stack(app_args, args.port)
-    client = CoordinatorClient(address)
-    verifier, drafter = load_model(config.verifier.model), load_model(config.drafter.model)
+    entries = args.drafters.split(",") if args.drafters else [config.drafter.model.source]
+    sources = list(dict.fromkeys(entry.split(":")[0] for entry in entries))
+    if args.address and len(sources) > 1:
+        raise SystemExit("--drafters with several drafters starts its own stacks; leave out --address")
+    clients = {}
+    for j, source in enumerate(sources):  # one stack per drafter, side by side
+        stack_args = {**app_args, "coordinator": {"port": args.port + j}, "drafter": {"model": {"source": source}}}
+        if args.address:
+            address = args.address
+        elif j == 0:
+            address = start_stack(stack_args, args.port)
+        else:
+            address = deploy(stack_args, args.port + j, name=f"{APP_NAME}-{j}")
+        clients[source] = CoordinatorClient(address)
+    verifier = load_model(config.verifier.model)
+    assistant = args.hf_assistant or _hf_assistant(config.drafter.model.source)
+    drafter = load_model(dataclasses.replace(config.drafter.model, source=assistant))
     served = config.verifier.model
     verifier_fp32 = verifier if served.dtype == "float32" else load_model(dataclasses.replace(served, dtype="float32"))
 
-    def through_services(i: int, budget: int, temperature: float, shape: TreeShape | None = None):
+    def through_services(i: int, budget: int, temperature: float, shape: TreeShape | None = None, entry: str | None = None):
+        source, _, option = (entry or sources[0]).partition(":")
         request = generate_request(
             prompt_token_ids=prompt_ids[i],
             max_new_tokens=args.max_new_tokens,
@@ -193,9 +214,10 @@ def run_bench(args) -> int:
             seed=args.seed + i,
             num_draft_tokens=budget,
             tree=shape_to_proto(shape) if shape else None,
+            **({"steering": False} if option == "unsteered" else {}),
         )
         start = time.perf_counter()
-        response = client.generate(request)
+        response = clients[source].generate(request)
         return response, time.perf_counter() - start
 
     def in_process(i: int, model, assisted: bool, temperature: float):
@@ -214,36 +236,42 @@ def run_bench(args) -> int:
             )
         return out[0, inputs.shape[1] :].tolist(), time.perf_counter() - start
 
-    # (name, method, tree, budget, runner(prompt index, temperature) -> service response or token ids, seconds)
-    methods = [("autoregressive", "autoregressive", None, 0, lambda i, t: through_services(i, 0, t))]
+    # (name, method, drafter, tree, budget, runner(prompt index, temperature) -> service response or token ids, seconds)
+    methods = [("autoregressive", "autoregressive", None, None, 0, lambda i, t: through_services(i, 0, t))]
     methods += [
-        (f"{tree}_b{b}", "speculative", tree, b, lambda i, t, b=b, tree=tree: through_services(i, b, t, shapes[tree]))
+        (
+            f"{entry}:{tree}_b{b}" if len(entries) > 1 else f"{tree}_b{b}", "speculative", entry, tree, b,
+            lambda i, t, b=b, tree=tree, entry=entry: through_services(i, b, t, shapes[tree], entry),
+        )
+        for entry in entries
         for tree in trees
         for b in budgets
     ]
     methods += [
-        ("hf_assisted", "hf_assisted", None, None, lambda i, t: in_process(i, verifier, True, t)),
-        ("hf_generate", "hf_generate", None, None, lambda i, t: in_process(i, verifier, False, t)),
-        ("hf_generate_fp32", "hf_generate_fp32", None, None, lambda i, t: in_process(i, verifier_fp32, False, t)),
+        ("hf_assisted", "hf_assisted", assistant, None, None, lambda i, t: in_process(i, verifier, True, t)),
+        ("hf_generate", "hf_generate", None, None, None, lambda i, t: in_process(i, verifier, False, t)),
+        ("hf_generate_fp32", "hf_generate_fp32", None, None, None, lambda i, t: in_process(i, verifier_fp32, False, t)),
     ]
     results = []
     try:
         for temperature in temperatures:
-            client.generate(generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature))
+            for warm in clients.values():
+                warm.generate(generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature))
             tallies = {name: Tally() for name, *_ in methods}
             # Interleaved: every prompt visits every method in turn, so drift hits all alike.
             for i in tqdm(range(len(prompt_ids)), desc=f"T={temperature}", unit="prompt"):
-                for name, _, _, _, runner in methods:
+                for name, *_, runner in methods:
                     answer, seconds = runner(i, temperature)
                     if isinstance(answer, list):
                         tallies[name].add(answer, seconds)
                     else:
                         tallies[name].add_service(answer, seconds)
             alone = tallies["autoregressive"]
-            for name, method, tree, budget, _ in methods:
+            for name, method, drafter_name, tree, budget, _ in methods:
                 tally = tallies[name]
                 row = {
                     "name": name,
+                    "drafter": drafter_name,
                     "method": method,
                     "tree": tree,
                     "budget": budget,
@@ -269,7 +297,8 @@ def run_bench(args) -> int:
                         row["greedy_matches_hf_generate"] = _share_equal(tally.outputs, tallies["hf_generate"].outputs)
                 results.append(row)
     finally:
-        client.close()
+        for each in clients.values():
+            each.close()
         if not args.address:
             stop_stack()
 
@@ -277,6 +306,8 @@ def run_bench(args) -> int:
         "config": {
             "verifier": config.verifier.model.__dict__,
             "drafter": config.drafter.model.__dict__,
+            "drafters": entries,
+            "hf_assistant": assistant,
             "prompts": args.prompts,
             "question_ids": [p["question_id"] for p in prompts],
             "categories": sorted({p["category"] for p in prompts}),
@@ -302,6 +333,14 @@ def run_bench(args) -> int:
     return 0
 
 
+def _hf_assistant(drafter: str) -> str:
+    """transformers runs causal LMs only: a feature head's place goes to the built-in distilled drafter."""
+    from specdec.core.feature_head import is_feature_head
+    from specdec.core.hub import BUILTIN_DRAFTER
+
+    return BUILTIN_DRAFTER if is_feature_head(drafter) else drafter
+
+
 def _share_equal(outputs: list[list[int]], reference: list[list[int]]) -> float:
     return sum(a == b for a, b in zip(outputs, reference)) / len(reference)
 
@@ -311,12 +350,12 @@ def format_table(results: list[dict]) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [
-        "| method | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | accepted/round | bytes/round | wire share | greedy = verifier alone |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | drafter | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | accepted/round | bytes/round | wire share | greedy = verifier alone |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['method']} | {r.get('tree') or '-'} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
+            f"| {r['method']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
             f"{_ratio(r['vs_autoregressive'])} | {_ratio(r['vs_hf_assisted'])} | {_ratio(r['vs_hf_generate_fp32'])} | "
             f"{fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
             f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_verifier_alone'), '.0%')} |"

@@ -16,6 +16,8 @@ from specdec.core.drafter_checkpoint import (
     load_drafter,
 )
 from specdec.core.engine import quantize_linears, torch_dtype
+from specdec.core.feature_head import is_feature_head
+from specdec.core.feature_head import read_meta as read_feature_meta
 from specdec.core.hub import load_model_weights_only, local_source, resolve_alias
 from specdec.core.prompts import calibration_ids
 from specdec.core.tree import DraftTree, verification_inputs
@@ -37,6 +39,8 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     source = resolve_alias(source)
     if is_drafter_checkpoint(source):
         source = base_model_of(source)
+    elif is_feature_head(source):
+        source = resolve_alias(read_feature_meta(source)["base_model"])
     return AutoTokenizer.from_pretrained(local_source(source))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from specdec.core.engine import WEIGHT_FORMATS
+from specdec.core.feature_head import is_feature_head
 from specdec.core.hub import BUILTIN_DRAFTER, BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec
 from specdec.core.steering import is_steering_checkpoint_for
@@ -100,6 +101,18 @@ class Config:
             return self.steering_checkpoint or None
         drafter = self.drafter.model.source
         return drafter if is_steering_checkpoint_for(drafter, self.verifier.model.source) else None
+
+    def resolved_feature_checkpoint(self) -> str | None:
+        """A feature-head drafter reads features the verifier fuses with the same checkpoint."""
+        drafter = self.drafter.model.source
+        return drafter if is_feature_head(drafter) else None
+
+    def checkpoints(self, service: str) -> dict[str, str | None]:
+        """What a service loads besides its model: `start(section, **config.checkpoints(name))`."""
+        loaded = {"steering_checkpoint": self.resolved_steering_checkpoint()}
+        if service == "verifier":
+            loaded["feature_checkpoint"] = self.resolved_feature_checkpoint()
+        return loaded
 
     def __post_init__(self):
         checks = [

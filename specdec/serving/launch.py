@@ -26,15 +26,16 @@ def start_stack(app_args: dict, port: int, ray_address: str | None = None, timeo
     return deploy(app_args, port, timeout_s)
 
 
-def deploy(app_args: dict, port: int, timeout_s: float = 900.0) -> str:
-    """(Re)deploys the application on the running Serve instance; returns its client address
-    once it reports SERVING. A redeploy with other settings must use another port: the old
-    coordinator may still hold its own while the new one starts."""
+def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_NAME) -> str:
+    """(Re)deploys the application `name` on the running Serve instance; returns its client
+    address once it reports SERVING. A redeploy with other settings must use another port: the
+    old coordinator may still hold its own while the new one starts. Applications of other
+    names run side by side (the benchmark compares drafters that way)."""
     from ray import serve
 
     from specdec.serving.app import build_app
 
-    serve.run(build_app(app_args), name=APP_NAME, route_prefix=None, blocking=False)
+    serve.run(build_app(app_args), name=name, route_prefix=None, blocking=False)
     address = f"localhost:{port}"
     wait_until_serving(address, timeout_s)
     return address

@@ -53,6 +53,8 @@ def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
         num_layers=config.num_hidden_layers,
         steering_size=engine.steering_size,
         steering_fingerprint=engine.steering_fingerprint,
+        feature_size=engine.feature_size,
+        feature_fingerprint=engine.feature_fingerprint,
     )
 
 

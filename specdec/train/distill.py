@@ -14,7 +14,6 @@ verifier text, with drafter position t steered by verifier position t - o, o ~ U
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
@@ -25,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -56,7 +54,7 @@ from specdec.core.steering import (
     sample_offsets,
     save_steering,
 )
-from specdec.serving.config import ConfigError, build_dataclass
+from specdec.serving.config import ConfigError
 from specdec.train.divergences import DIVERGENCES, divergence
 
 DATA_MODES = ("teacher", "on-policy", "mixed")
@@ -472,37 +470,3 @@ LIST_HELP = {
     "exclude_categories": "comma-separated prompt categories left out of training, e.g. translation",
     "steering_layers": "comma-separated verifier layers the steering reads (3; default ~10%%, 50%%, 95%% of depth)",
 }
-
-
-def add_distill_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML recipe (keys as the flags, with underscores); flags override it")
-    for f in dataclasses.fields(DistillConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name in LIST_HELP:
-            parser.add_argument(flag, help=LIST_HELP[f.name])
-        elif f.type in ("bool",):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            kind = {"int": int, "float": float}.get(f.type, str)
-            parser.add_argument(flag, type=kind, default=None)
-
-
-def config_from_args(args) -> DistillConfig:
-    data = {}
-    if args.config:
-        try:
-            data = yaml.safe_load(Path(args.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as err:
-            raise ConfigError(f"cannot read {args.config}: {err}") from None
-    for f in dataclasses.fields(DistillConfig):
-        value = getattr(args, f.name, None)
-        if value is None:
-            continue
-        if f.name in LIST_HELP:
-            items = [x.strip() for x in value.split(",") if x.strip()]
-            try:
-                value = items if f.type == "list[str]" else [int(x) for x in items]
-            except ValueError:
-                raise ConfigError(f"--{f.name.replace('_', '-')} takes comma-separated integers, got '{value}'") from None
-        data[f.name] = value
-    return build_dataclass(DistillConfig, data, "")

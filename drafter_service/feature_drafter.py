@@ -1,0 +1,162 @@
+"""The drafter that reads the verifier's features (specdec/core/feature_head.py): the same
+sessions, checks and tree builders as the model drafter, with the head in place of a model.
+
+The head's cache holds one entry per position. Committed positions are fed from the
+verifier's features as they arrive; whatever follows them (assumed tokens, draft nodes)
+reads the head's own output of the position before, and is dropped once the verifier
+commits: its committed features replace the head's guesses."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from drafter_service.drafter import DrafterEngine, DrafterSession
+from drafter_service.tree_builders import NextToken, builder_for
+from specdec.core.feature_head import (
+    feature_fingerprint,
+    is_feature_head,
+    load_feature_head,
+)
+from specdec.core.kv_cache import KVCache
+from specdec.core.models import ModelSpec, eos_token_ids, max_context
+from specdec.core.sampling import Sampling
+from specdec.core.tree import ROOT, DraftTree, TreeShape, node_inputs
+from specdec.serving.rpc import ServiceError
+
+
+@dataclass
+class FeatureSession(DrafterSession):
+    features: torch.Tensor | None = None  # (capacity, H): the verifier's feature of each position
+    num_features: int = 0
+    committed_entries: int = 0  # cache entries fed from verifier features (positions 0..n-1)
+    committed_output: torch.Tensor | None = None  # the head's output at the last committed position
+    extra: list[int] = field(default_factory=list)  # tokens fed after the committed ones (assumed, picked)
+    extra_outputs: list[torch.Tensor] = field(default_factory=list)
+    node_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class FeatureDrafter(DrafterEngine):
+    def _load(self, spec: ModelSpec, steering_checkpoint: str | None) -> None:
+        if steering_checkpoint:
+            raise ValueError("a feature head reads verifier features; it takes no steering checkpoint")
+        self.head, base = load_feature_head(spec.source)
+        self.model = self.head  # its config describes the drafter (ModelInfo)
+        self.eos_ids = eos_token_ids(base, self.tokenizer)
+        self.max_context = max_context(base)
+        self.steering_size = 0
+        self.feature_size = self.head.hidden_size
+        self.feature_fingerprint = feature_fingerprint(spec.source)
+        layer = self.head.layer
+        self._cache_shape = (1, layer.num_kv_heads, layer.head_dim)
+
+    def _new_session(self, context: list[int], sampling: Sampling) -> FeatureSession:
+        cache = KVCache(*self._cache_shape, torch.float32, "cpu")
+        return FeatureSession(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), cache)
+
+    def _take_features(self, session: FeatureSession, start: int, rows: torch.Tensor) -> None:
+        if start > session.num_features:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"features_start {start} leaves a gap: this session holds the features of positions [0, {session.num_features}); re-open it",
+            )
+        end = start + len(rows)
+        if session.features is None or session.features.shape[0] < end:
+            grown = torch.zeros(max(2 * end, 256), self.feature_size)
+            if session.features is not None:
+                grown[: session.num_features] = session.features[: session.num_features]
+            session.features = grown
+        session.features[start:end] = rows
+        session.num_features = end
+        # Entries fed from features that have just been replaced are fed again.
+        session.committed_entries = min(session.committed_entries, start + 1)
+
+    def _run(self, session: FeatureSession, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
+        """Feeds entries after the cache; returns their outputs (T, H)."""
+        cache = session.cache
+        start, count = cache.length, len(tokens)
+        cache.reserve(start + count)
+        past_keys, past_values = cache.keys[:, :, :start], cache.values[:, :, :start]
+        outputs, keys, values = self.head(torch.tensor([tokens]), features[None], positions, past_keys, past_values, mask)
+        cache.keys[0, :, start : start + count] = keys[0]
+        cache.values[0, :, start : start + count] = values[0]
+        cache.length = start + count
+        return outputs[0]
+
+    def _logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits, -inf outside the draft vocabulary."""
+        small = self.head.logits(outputs)
+        full = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.head.vocab_ids] = small
+        return full
+
+    def _feed_committed(self, session: FeatureSession) -> None:
+        n = len(session.tokens)
+        if session.committed_entries == n:
+            return
+        if session.num_features < n - 1:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a feature head drafts after the verifier's features of every committed position but the last; "
+                f"it has those of [0, {session.num_features}) and needs [0, {n - 1}): ask the verifier for features",
+            )
+        first = session.committed_entries
+        session.cache.truncate(first)
+        previous = torch.zeros(n - first, self.feature_size)
+        rows = torch.arange(max(first, 1), n)
+        if len(rows):
+            previous[rows - first] = session.features[rows - 1]
+        count = n - first
+        mask = torch.ones(count, n, dtype=torch.bool).tril(first)[None, None]
+        outputs = self._run(session, session.tokens[first:], previous, torch.arange(first, n)[None], mask)
+        session.committed_entries, session.committed_output = n, outputs[-1]
+        session.extra, session.extra_outputs = [], []
+
+    def _feed_context(self, session: FeatureSession, context: list[int]) -> torch.Tensor:
+        """Brings the cache up to `context` (committed tokens, then assumed ones each read with
+        the head's output before it); returns the logits of the token that follows."""
+        self._feed_committed(session)
+        n = len(session.tokens)
+        extra = context[n:]
+        keep = 0
+        while keep < min(len(extra), len(session.extra)) and extra[keep] == session.extra[keep]:
+            keep += 1
+        session.cache.truncate(n + keep)
+        del session.extra[keep:], session.extra_outputs[keep:]
+        for token in extra[keep:]:
+            before = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
+            position = n + len(session.extra)
+            output = self._run(session, [token], before[None], torch.tensor([[position]]), None)[-1]
+            session.extra.append(token)
+            session.extra_outputs.append(output)
+        last = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
+        return self._logits(last[None])[0]
+
+    def _draft_tree(self, session: FeatureSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
+        root_logits = self._feed_context(session, context)
+        root_output = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
+        num_context = session.cache.length
+        fed: list[int] = []
+        outputs: dict[int, torch.Tensor] = {ROOT: root_output}
+
+        def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
+            new = [n for n in nodes if n != ROOT]
+            rows = {}
+            if new:
+                positions, mask = node_inputs(tree, fed, new, num_context)
+                before = torch.stack([outputs[tree.parent[n]] for n in new])
+                out = self._run(session, [tree.token_ids[n] for n in new], before, positions, mask)
+                fed.extend(new)
+                for i, node in enumerate(new):
+                    outputs[node], rows[node] = out[i], i
+                logits = self._logits(out)
+            return [self._next_token(root_logits if n == ROOT else logits[rows[n]], session.sampling) for n in nodes]
+
+        generator = None if session.sampling.greedy else session.generator
+        return builder_for(shape).build(expand, budget, generator)
+
+
+def drafter_for(spec: ModelSpec, *args, **options) -> DrafterEngine:
+    """A feature head when the model source is one, else the model drafter."""
+    return (FeatureDrafter if is_feature_head(spec.source) else DrafterEngine)(spec, *args, **options)

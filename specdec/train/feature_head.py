@@ -1,0 +1,341 @@
+"""`specdec distill-feature-head`: train the verifier-feature drafter (specdec/core/feature_head.py).
+
+Data: the served verifier (its own engine and weight format, so the features are the ones it
+will send) continues each training prompt, greedy once and sampled at T=1 after that; every
+position's residual stream at the three fused depths and the verifier's next-token
+distribution on the draft vocabulary (its top `target_top_k`) are cached.
+
+Training-time test (EAGLE-3, HASS): the head is unrolled `unroll` steps. Step 1 reads the
+verifier's features. Step k reads, at position i, its own step k-1 output of position i-1,
+and attends to step-1 entries up to i-k+1 plus its own entries of steps 2..k on the diagonal:
+exactly what the k-th token of a live draft sees. Every step is pulled toward the verifier's
+distribution at its position (cross-entropy on the draft vocabulary).
+
+Held-out prompts (never trained on) are evaluated before and after: greedy agreement and
+1 - TVD at T=1 by draft depth, and accepted tokens per chain-4 round along the verifier's
+greedy text, simulated exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.core.engine import engine_for
+from specdec.core.feature_head import FeatureHead, save_feature_head
+from specdec.core.hub import (
+    BUILTIN_DRAFTER,
+    BUILTIN_SMOLLM2,
+    load_model_weights_only,
+    resolve_alias,
+)
+from specdec.core.models import ModelSpec, eos_token_ids, load_model, load_tokenizer
+from specdec.core.prompts import (
+    PACKAGED_PROMPTS,
+    chat_ids,
+    evaluation_split,
+    load_prompts,
+    training_split,
+)
+from specdec.core.steering import default_layers
+from specdec.serving.config import ConfigError
+
+
+@dataclass
+class FeatureHeadConfig:
+    verifier: str = BUILTIN_SMOLLM2
+    verifier_dtype: str = "int8"  # the weight format the verifier is served in: its features are what the head reads
+    draft_vocab_from: str = BUILTIN_DRAFTER  # a directory with draft_vocab.json
+    layers: list[int] = field(default_factory=list)  # verifier depths fused (empty = ~10%, 50%, 95%)
+    prompts: str = str(PACKAGED_PROMPTS)
+    max_prompt_tokens: int = 256
+    sample_tokens: int = 96
+    samples_per_prompt: int = 2  # the first greedy, the others sampled at T=1
+    target_top_k: int = 32
+    unroll: int = 4
+    batch_size: int = 4
+    steps: int = 400
+    lr: float = 1e-3
+    eval_prompts: int = 26
+    eval_tokens: int = 64
+    checkpoint_every: int = 20
+    seed: int = 0
+    dtype: str = "float16"
+    out: str = "runs/feature_head"
+
+    def __post_init__(self):
+        if self.layers and len(self.layers) != 3:
+            raise ConfigError(f"layers must name 3 verifier depths, got {self.layers}")
+        for name in ("max_prompt_tokens", "sample_tokens", "samples_per_prompt", "target_top_k", "unroll", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+
+
+@dataclass
+class Sample:
+    tokens: torch.Tensor  # (L,) prompt then continuation
+    prompt_len: int
+    hidden: torch.Tensor  # (L-1, 3, H) float16: the fused depths at positions 0..L-2
+    target_ids: torch.Tensor  # (L-P, k) draft-vocabulary indices, positions P-1..L-2
+    target_probs: torch.Tensor  # (L-P, k) float16
+
+
+@torch.inference_mode()
+def _continue(engine, prompt: list[int], max_new: int, layers: list[int], vocab_ids: torch.Tensor, top_k: int, eos: set[int], generator: torch.Generator | None) -> Sample | None:
+    """Runs the verifier's engine along prompt + its own continuation (greedy when generator is
+    None), keeping the three depths at every position it reads and its targets."""
+    cache, tokens, hidden, ids, probs = engine.new_cache(), list(prompt), [], [], []
+    pending = list(prompt)
+    for _ in range(max_new):
+        logits, states = engine(cache, pending, 1, hidden_states=True)
+        hidden.append(torch.stack([states[i][0] for i in layers], dim=1).half())
+        full = torch.softmax(logits[-1].double(), -1)
+        top = torch.topk(full[vocab_ids], top_k)
+        ids.append(top.indices.short())
+        probs.append(top.values.half())
+        token = int(full.argmax()) if generator is None else int(torch.multinomial(full, 1, generator=generator))
+        tokens.append(token)
+        if token in eos:
+            break
+        pending = [token]
+    if len(tokens) - len(prompt) < 2:
+        return None
+    return Sample(torch.tensor(tokens), len(prompt), torch.cat(hidden), torch.stack(ids), torch.stack(probs))
+
+
+def _batch(samples: list[Sample], head: FeatureHead):
+    """Right-padded ids (B, L), the previous position's fused feature (B, L, H) as it crosses
+    the wire (float16), valid positions, and for each loss position (b, i) its target."""
+    width = max(len(s.tokens) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    previous = torch.zeros(len(samples), width, head.hidden_size)
+    valid = torch.zeros(len(samples), width, dtype=torch.bool)
+    rows, cols, target_ids, target_probs = [], [], [], []
+    for b, s in enumerate(samples):
+        n = len(s.tokens)
+        ids[b, :n], valid[b, :n] = s.tokens, True
+        fused = head.fuse.fuse_depths(s.hidden.float()).half().float()
+        previous[b, 1:n] = fused
+        rows += [b] * (n - s.prompt_len)
+        cols += list(range(s.prompt_len - 1, n - 1))
+        target_ids.append(s.target_ids.long())
+        target_probs.append(s.target_probs.float())
+    probs = torch.cat(target_probs)
+    return ids, previous, valid, (torch.tensor(rows), torch.tensor(cols)), torch.cat(target_ids), probs / probs.sum(-1, keepdim=True)
+
+
+def unrolled(head: FeatureHead, ids, previous, valid, steps: int, window: int) -> list[torch.Tensor]:
+    """The head's outputs at each unrolled step: step 1 over all positions (B, L, H), steps
+    2.. over positions [window, L) (B, L - window, H), each as a live draft would compute it."""
+    batch, width = ids.shape
+    positions = torch.arange(width)[None].expand(batch, -1)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = (causal[None] & valid[:, None, :])[:, None]
+    first, keys, values = head(ids, previous, positions, mask=mask)
+    outputs, all_keys, all_values = [first], [keys], [values]
+    rows = torch.arange(window, width)
+    for k in range(2, steps + 1):
+        before = outputs[-1] if k > 2 else first[:, window:]
+        fed = torch.zeros_like(before)
+        fed[:, 1:] = before[:, :-1]
+        if k == 2 and window > 0:
+            fed[:, 0] = first[:, window - 1]
+        # Step-1 entries up to i-k+1, then this and earlier steps' entries on the diagonal.
+        parts = [(torch.arange(width)[None] <= rows[:, None] - (k - 1))[None] & valid[:, None, :]]
+        for s in range(2, k + 1):
+            diagonal = (rows[None, :] == rows[:, None] - (k - s)).expand(batch, -1, -1)
+            parts.append(diagonal)
+        step_mask = torch.cat(parts, dim=2)[:, None]
+        out, keys, values = head(ids[:, window:], fed, positions[:, window:], torch.cat(all_keys, dim=2), torch.cat(all_values, dim=2), step_mask)
+        outputs.append(out)
+        all_keys.append(keys)
+        all_values.append(values)
+    return outputs
+
+
+def _step_logits(head: FeatureHead, outputs, window: int, where) -> list[torch.Tensor]:
+    rows, cols = where
+    picked = [outputs[0][rows, cols]] + [o[rows, cols - window] for o in outputs[1:]]
+    return [head.logits(p) for p in picked]
+
+
+def _window(samples: list[Sample], steps: int) -> int:
+    return max(0, min(s.prompt_len for s in samples) - 1 - steps)
+
+
+@torch.no_grad()
+def evaluate(head: FeatureHead, samples: list[Sample], steps: int, batch: int = 4) -> dict:
+    """Greedy agreement and 1 - TVD (T=1, against the verifier's top-k) by depth, and
+    accepted tokens per chain-`steps` round along the verifier's greedy text."""
+    agree, overlap, count = torch.zeros(steps), torch.zeros(steps), 0
+    accepted: list[int] = []
+    for start in range(0, len(samples), batch):
+        chunk = samples[start : start + batch]
+        ids, previous, valid, where, target_ids, target_probs = _batch(chunk, head)
+        window = _window(chunk, steps)
+        outputs = unrolled(head, ids, previous, valid, steps, window)
+        logits = _step_logits(head, outputs, window, where)
+        rows, cols = where
+        truth = ids[rows, cols + 1]
+        hits = []
+        for k, step in enumerate(logits):
+            q = step.float().softmax(-1)
+            hit = head.vocab_ids[step.argmax(-1)] == truth
+            hits.append(hit)
+            agree[k] += hit.float().sum()
+            overlap[k] += torch.minimum(q.gather(1, target_ids), target_probs).sum()
+        count += len(rows)
+        # hit[k][(b, i)]: step k+1 at position i predicts t_{i+1}; a round from bonus position n
+        # drafts at n, n+1, ... with steps 1, 2, ...
+        lookup = {(int(b), int(i)): j for j, (b, i) in enumerate(zip(rows, cols))}
+        for b, sample in enumerate(chunk):
+            n, end = sample.prompt_len, len(sample.tokens) - 1
+            while n < end:
+                run = 0
+                while run < steps and (b, n + run) in lookup and bool(hits[run][lookup[(b, n + run)]]):
+                    run += 1
+                accepted.append(run)
+                n += run + 1
+    return {
+        "greedy_agreement_by_depth": (agree / count).tolist(),
+        "acceptance_t1_by_depth": (overlap / count).tolist(),
+        f"accepted_per_chain{steps}_round": sum(accepted) / max(len(accepted), 1),
+        "positions": count,
+    }
+
+
+def _loss(head: FeatureHead, samples: list[Sample], steps: int) -> torch.Tensor:
+    ids, previous, valid, where, target_ids, target_probs = _batch(samples, head)
+    window = _window(samples, steps)
+    outputs = unrolled(head, ids, previous, valid, steps, window)
+    losses = [-(target_probs * step.float().log_softmax(-1).gather(1, target_ids)).sum(-1).mean() for step in _step_logits(head, outputs, window, where)]
+    return torch.stack(losses).mean()
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.rename(path)
+
+
+def _collect(cfg: FeatureHeadConfig, layers: list[int], vocab_ids: torch.Tensor) -> dict:
+    tokenizer = load_tokenizer(cfg.verifier)
+    verifier = load_model(ModelSpec(cfg.verifier, dtype=cfg.verifier_dtype))
+    engine = engine_for(verifier, cfg.verifier_dtype)
+    eos = set(eos_token_ids(verifier, tokenizer))
+    rows = load_prompts(cfg.prompts)
+    ids_of = {r["question_id"]: chat_ids(tokenizer, r["prompt"]) for r in rows}
+    short = [r for r in rows if len(ids_of[r["question_id"]]) <= cfg.max_prompt_tokens]
+    train_rows, eval_rows = training_split(short), evaluation_split(short, cfg.eval_prompts)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    train, evaluation = [], []
+    for r in tqdm(train_rows, desc="verifier samples (train)", unit="prompt"):
+        for index in range(cfg.samples_per_prompt):
+            train.append(_continue(engine, ids_of[r["question_id"]], cfg.sample_tokens, layers, vocab_ids, cfg.target_top_k, eos, None if index == 0 else generator))
+    for r in tqdm(eval_rows, desc="verifier greedy (held out)", unit="prompt"):
+        evaluation.append(_continue(engine, ids_of[r["question_id"]], cfg.eval_tokens, layers, vocab_ids, cfg.target_top_k, eos, None))
+    return {
+        "train": [s for s in train if s is not None],
+        "eval": [s for s in evaluation if s is not None],
+        "train_question_ids": [r["question_id"] for r in train_rows],
+        "eval_question_ids": [r["question_id"] for r in eval_rows],
+    }
+
+
+def run_feature_head(cfg: FeatureHeadConfig) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    started = time.time()
+    base = load_model_weights_only(cfg.verifier, torch.float32)
+    layers = cfg.layers or default_layers(base.config.num_hidden_layers)
+    vocab_file = Path(resolve_alias(cfg.draft_vocab_from)) / "draft_vocab.json"
+    if not vocab_file.is_file():
+        raise ConfigError(f"draft_vocab_from: {cfg.draft_vocab_from} has no draft_vocab.json")
+    vocab_ids = json.loads(vocab_file.read_text())
+
+    data_settings = {k: getattr(cfg, k) for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "max_prompt_tokens", "sample_tokens", "samples_per_prompt", "target_top_k", "eval_prompts", "eval_tokens", "seed")}
+    data_settings["layers"] = layers
+    cached = out / "samples.pt"
+    data = torch.load(cached, weights_only=False) if cached.is_file() else None
+    if data is None or data["settings"] != data_settings:
+        data = _collect(cfg, layers, torch.tensor(vocab_ids)) | {"settings": data_settings}
+        _atomic_save(data, cached)
+    train = sorted(data["train"], key=lambda s: len(s.tokens))  # neighbours batch with little padding
+
+    head = FeatureHead.from_verifier(base, layers, vocab_ids)
+    del base
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / cfg.steps))
+    checkpoint_path = out / "checkpoint.pt"
+    step, history, before = 0, [], None
+    if checkpoint_path.is_file():
+        state = torch.load(checkpoint_path, weights_only=False)
+        if state["config"] != dataclasses.asdict(cfg):
+            raise ConfigError(f"{checkpoint_path} was made with another recipe; use a new --out or delete it")
+        head.load_state_dict(state["head"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step, history, before = state["step"], state["history"], state["before"]
+        random.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resuming from step {step}")
+    if before is None:
+        before = evaluate(head, data["eval"], cfg.unroll)
+        print("before:", json.dumps(before))
+    bar = tqdm(total=cfg.steps, initial=step, desc="feature head", unit="step")
+    while step < cfg.steps:
+        anchor = random.randrange(len(train))
+        batch = train[max(0, anchor - cfg.batch_size // 2) :][: cfg.batch_size]
+        loss = _loss(head, batch, cfg.unroll)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        history.append({"step": step, "loss": loss.item()})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            trained = {k: v for k, v in head.state_dict().items() if not k.startswith(("embed.", "lm_head."))}
+            _atomic_save(
+                {
+                    "config": dataclasses.asdict(cfg), "step": step, "history": history, "before": before, "head": trained,
+                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                    "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+                },
+                checkpoint_path,
+            )
+    bar.close()
+    head.eval()
+    after = evaluate(head, data["eval"], cfg.unroll)
+    print("after:", json.dumps(after))
+    recipe = dataclasses.asdict(cfg)
+    save_feature_head(out / "feature_head", head, cfg.verifier, recipe, cfg.dtype)
+    report = {
+        "recipe": recipe,
+        "train_question_ids": data["train_question_ids"],
+        "eval_question_ids": data["eval_question_ids"],
+        "train_samples": len(train),
+        "train_tokens": sum(len(s.tokens) - s.prompt_len for s in train),
+        "before": before,
+        "after": after,
+        "history": history,
+        "seconds": time.time() - started,
+        "feature_head_dir": str(out / "feature_head"),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'feature_head'} and {out / 'report.json'}")
+    return report
+
+
+LIST_HELP = {"layers": "comma-separated verifier depths fused (3 indices into output_hidden_states)"}

@@ -1,0 +1,271 @@
+"""The verifier-feature drafter (EAGLE-3 style): the training-time test computes exactly what
+a live draft computes, the verifier sends the features of exactly the positions it commits,
+the services stay exact with it for every tree method and for sampling, bad features are
+refused, and a short training run on tiny models aligns the head and resumes after a kill."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from coordinator.clients import PairMismatch, ServicePair
+from drafter_service.feature_drafter import FeatureDrafter
+from specdec.core.feature_head import FeatureHead, load_feature_fuse, save_feature_head
+from specdec.core.models import ModelSpec, hf_greedy, load_model
+from specdec.core.sampling import Sampling
+from specdec.core.tree import DraftTree, TreeShape
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.config import build_dataclass
+from specdec.serving.rpc import MeasuredClient
+from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
+from specdec.train.feature_head import FeatureHeadConfig, run_feature_head, unrolled
+from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
+from tests.conftest import local_stack, tiny_config
+from tests.test_distill import tiny_prompts  # noqa: F401 (a fixture)
+from tests.test_services import sampled_first_two_tokens
+from verifier_service.verifier import VerifierEngine
+
+LAYERS = [0, 1, 2]  # embeddings and both layers of the tiny verifier
+VOCAB = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # a reduced draft vocabulary (EOS included)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_dirs, tmp_path_factory) -> Path:
+    """An untrained head with random fc and fuse, so every part of the math shows."""
+    verifier = load_model(ModelSpec(str(tiny_dirs["verifier"])))
+    head = FeatureHead.from_verifier(verifier, LAYERS, VOCAB)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        head.fc.weight.normal_(0, 0.3)
+        head.fuse.proj.weight.normal_(0, 0.3)
+    out = tmp_path_factory.mktemp("feature_head") / "head"
+    save_feature_head(out, head, str(tiny_dirs["verifier"]), {"test": True}, dtype="float32")
+    return out
+
+
+def test_checkpoint_stores_neither_embeddings_nor_head_rows(head_dir):
+    from safetensors.torch import load_file
+
+    stored = load_file(head_dir / "feature_head.safetensors")
+    assert not any(k.startswith(("embed.", "lm_head.")) for k in stored)
+    assert {"fuse.proj.weight", "fc.weight", "layer.q.weight", "norm.weight"} <= set(stored)
+    assert json.loads((head_dir / "draft_vocab.json").read_text()) == VOCAB
+
+
+def test_training_time_test_computes_what_a_live_draft_computes(head_dir):
+    """Step k of the unrolled head at position i equals the k-th token of a live chain drafted
+    after position i-k+1 by the drafter service's own code."""
+    drafter = FeatureDrafter(ModelSpec(str(head_dir)))
+    head = drafter.head
+    context = [1, 4, 7, 3, 9, 5]
+    features = torch.randn(len(context) + 3, head.hidden_size)
+    session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
+    tree, _, _, _ = drafter.draft("s", session, [], len(context), 3, TreeShape("chain"), features=(0, features[: len(context) - 1]))
+    chain = tree.token_ids
+    assert tree.parent == [-1, 0, 1]
+    sequence = torch.tensor([context + chain])
+    previous = torch.zeros(1, sequence.shape[1], head.hidden_size)
+    previous[0, 1:] = features[: sequence.shape[1] - 1]
+    valid = torch.ones_like(sequence, dtype=torch.bool)
+    with torch.no_grad():
+        steps = unrolled(head, sequence, previous, valid, 3, window=2)
+        n = len(context) - 1  # the last committed position: the root of the draft
+        for k, token in enumerate(chain, start=1):
+            out = steps[0][0, n] if k == 1 else steps[k - 1][0, n + k - 1 - 2]
+            assert int(head.vocab_ids[head.logits(out).argmax()]) == token
+        # And the outputs themselves, against the head run by hand over a cache.
+        causal = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()[None, None]
+        first, keys, values = head(sequence[:, : n + 1], previous[:, : n + 1], torch.arange(n + 1)[None], mask=causal)
+        second, k2, v2 = head(sequence[:, n + 1 : n + 2], first[:, -1:], torch.tensor([[n + 1]]), keys, values)
+        torch.testing.assert_close(second[0, 0], steps[1][0, n + 1 - 2], atol=1e-4, rtol=1e-3)
+        third, _, _ = head(sequence[:, n + 2 : n + 3], second, torch.tensor([[n + 2]]), torch.cat([keys, k2], 2), torch.cat([values, v2], 2))
+        torch.testing.assert_close(third[0, 0], steps[2][0, n + 2 - 2], atol=1e-4, rtol=1e-3)
+
+
+def test_verifier_sends_the_features_of_exactly_the_committed_positions(tiny_dirs, head_dir):
+    verifier = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"])), feature_checkpoint=str(head_dir))
+    plain = load_model(ModelSpec(str(tiny_dirs["verifier"])))
+    fuse = load_feature_fuse(str(head_dir), plain)
+    prompt = [1, 4, 7, 3]
+    session = verifier.open_session("s", prompt, Sampling(0.0, 1.0, 0, 0))
+    first = verifier.verify(session, 1, DraftTree([], []), 3, features=True)
+    assert first.features_start == 0 and first.features["shape"] == [len(prompt) + 2, 32]
+    guess = hf_greedy(plain, session.tokens, 2)
+    tree = DraftTree([guess[0], (guess[0] + 1) % 16, guess[1]], [-1, -1, 0])
+    second = verifier.verify(session, 2, tree, 0, features=True)
+    # Pending (the last token of round 1) plus the accepted path (both greedy guesses).
+    assert second.num_accepted == 2 and second.features_start == len(prompt) + 2
+    assert second.features["shape"] == [1 + second.num_accepted, 32]
+    with torch.no_grad():
+        hidden = plain(torch.tensor([session.tokens]), output_hidden_states=True).hidden_states
+        expected = fuse(tuple(h[0] for h in hidden)).half().float()
+    rows = torch.cat([_rows(first), _rows(second)])
+    torch.testing.assert_close(rows, expected[: len(rows)], atol=2e-3, rtol=2e-3)
+    assert len(rows) == len(session.tokens) - 1
+
+
+def _rows(result) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(result.features["data"], dtype="<f2").astype("float32")).view(result.features["shape"])
+
+
+def _config(tiny_dirs, head_dir, **coordinator) -> dict:
+    return {
+        "verifier": {"model": str(tiny_dirs["verifier"]), "torch_threads": 1},
+        "drafter": {"model": str(head_dir), "torch_threads": 1},
+        "coordinator": {"num_draft_tokens": 3, **coordinator},
+    }
+
+
+@pytest.fixture(scope="module")
+def feature_stack(tiny_dirs, head_dir):
+    with local_stack(_config(tiny_dirs, head_dir)) as stack:
+        yield stack
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"num_draft_tokens": 6, "tree": {"method": "dynamic", "width": 2}},
+        {"num_draft_tokens": 6, "tree": {"method": "static", "branching": [2, 2]}},
+        {"overlap": True},
+        {"adaptive": True},
+    ],
+    ids=["chain", "dynamic", "static", "overlap", "adaptive"],
+)
+def test_greedy_output_equals_the_verifier_alone(feature_stack, tiny_verifier, fields):
+    client = CoordinatorClient(feature_stack["coordinator"])
+    for prompt in ([1, 4, 5], [1, 9, 3, 3, 8]):
+        request = generate_request(prompt_token_ids=prompt, max_new_tokens=24)
+        for key, value in fields.items():
+            if key == "tree":
+                request.tree.CopyFrom(common_pb2.TreeShape(**value))
+            else:
+                setattr(request, key, value)
+        reply = client.generate(request)
+        assert list(reply.token_ids) == hf_greedy(tiny_verifier, prompt, 24)
+        assert reply.stats.features and reply.stats.feature_bytes > 0
+    client.close()
+
+
+def test_sampling_through_the_feature_head_follows_the_verifier(feature_stack, tiny_verifier):
+    # Three tokens: the first comes from the verifier (it brings the prompt's features), the
+    # second is drafted by the head and accepted or corrected by rejection sampling.
+    sampled_first_two_tokens(feature_stack, tiny_verifier, draws=1500, max_new_tokens=3)
+
+
+def test_verifier_only_requests_ask_for_no_features(feature_stack):
+    client = CoordinatorClient(feature_stack["coordinator"])
+    reply = client.generate(generate_request(prompt_token_ids=[1, 4], max_new_tokens=5, num_draft_tokens=0))
+    assert not reply.stats.features and reply.stats.feature_bytes == 0
+    client.close()
+
+
+def test_a_feature_head_needs_a_verifier_that_sends_features(tiny_dirs, head_dir, feature_stack):
+    with local_stack(tiny_config(tiny_dirs)) as plain:
+        with pytest.raises(PairMismatch, match="feature head"):
+            ServicePair(feature_stack["drafter"], plain["verifier"])
+
+
+def test_bad_features_are_refused(feature_stack, tiny_dirs):
+    drafter = MeasuredClient(feature_stack["drafter"], DRAFTER_SERVICE)
+    start = common_pb2.SessionStart(context_token_ids=[1, 4, 5], sampling=common_pb2.SamplingParams())
+
+    def draft(features: common_pb2.Tensor, features_start: int = 0) -> grpc.RpcError:
+        request = drafter_pb2.DraftRequest(session_id="bad", start=start, committed_length=3, num_draft_tokens=2, features=features, features_start=features_start)
+        with pytest.raises(grpc.RpcError) as caught:
+            drafter.call("Draft", request, drafter_pb2.DraftResponse)
+        return caught.value
+
+    wrong_width = draft(common_pb2.Tensor(shape=[2, 31], dtype="float16", data=bytes(2 * 31 * 2)))
+    assert wrong_width.code() == grpc.StatusCode.INVALID_ARGUMENT and "features.shape" in wrong_width.details()
+    short = draft(common_pb2.Tensor(shape=[2, 32], dtype="float16", data=bytes(10)))
+    assert short.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in short.details()
+    gap = draft(common_pb2.Tensor(shape=[2, 32], dtype="float16", data=bytes(2 * 32 * 2)), features_start=5)
+    assert gap.code() == grpc.StatusCode.FAILED_PRECONDITION and "gap" in gap.details()
+    missing = draft(common_pb2.Tensor(shape=[1, 32], dtype="float16", data=bytes(32 * 2)))
+    assert missing.code() == grpc.StatusCode.FAILED_PRECONDITION and "features" in missing.details()
+    drafter.close()
+    with local_stack(tiny_config(tiny_dirs)) as plain:
+        verifier = MeasuredClient(plain["verifier"], VERIFIER_SERVICE)
+        request = verifier_pb2.VerifyRequest(session_id="v", round=1, start=start, features=True)
+        with pytest.raises(grpc.RpcError) as caught:
+            verifier.call("Verify", request, verifier_pb2.VerifyResponse)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "feature head" in caught.value.details()
+        model_drafter = MeasuredClient(plain["drafter"], DRAFTER_SERVICE)
+        request = drafter_pb2.DraftRequest(
+            session_id="m", start=start, committed_length=3, num_draft_tokens=2, features=common_pb2.Tensor(shape=[2, 32], dtype="float16", data=bytes(128))
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            model_drafter.call("Draft", request, drafter_pb2.DraftResponse)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a feature head" in caught.value.details()
+        verifier.close()
+        model_drafter.close()
+
+
+def tiny_recipe(tiny_dirs, prompts: Path, out: Path, vocab_dir: Path, **overrides) -> FeatureHeadConfig:
+    base = dict(
+        verifier=str(tiny_dirs["verifier"]), verifier_dtype="float32", draft_vocab_from=str(vocab_dir), layers=LAYERS,
+        prompts=str(prompts), sample_tokens=12, samples_per_prompt=2, target_top_k=8, unroll=3, batch_size=8, steps=80,
+        lr=3e-3, eval_prompts=12, eval_tokens=12, checkpoint_every=20, out=str(out), dtype="float32",
+    )
+    base.update(overrides)
+    return build_dataclass(FeatureHeadConfig, base, "")
+
+
+@pytest.fixture(scope="module")
+def vocab_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("vocab")
+    (path / "draft_vocab.json").write_text(json.dumps(VOCAB))
+    return path
+
+
+def test_short_training_aligns_the_head_and_serves_exactly(tiny_dirs, tiny_prompts, vocab_dir, tmp_path, tiny_verifier):  # noqa: F811
+    report = run_feature_head(tiny_recipe(tiny_dirs, tiny_prompts, tmp_path / "run", vocab_dir))
+    before, after = report["before"], report["after"]
+    assert after["accepted_per_chain3_round"] > before["accepted_per_chain3_round"]
+    assert after["greedy_agreement_by_depth"][0] > before["greedy_agreement_by_depth"][0] + 0.05
+    assert sum(after["acceptance_t1_by_depth"]) > sum(before["acceptance_t1_by_depth"])
+    losses = [h["loss"] for h in report["history"]]
+    assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
+    assert set(report["train_question_ids"]).isdisjoint(report["eval_question_ids"])
+    with local_stack(_config(tiny_dirs, report["feature_head_dir"])) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        accepted = 0
+        for prompt in ([1, 4, 5], [1, 9], [3, 3, 8, 12]):
+            reply = client.generate(generate_request(prompt_token_ids=prompt, max_new_tokens=30))
+            assert list(reply.token_ids) == hf_greedy(tiny_verifier, prompt, 30)
+            accepted += reply.stats.accepted_draft_tokens
+        assert accepted > 0
+        client.close()
+
+
+def test_training_resumes_after_a_kill(tiny_dirs, tiny_prompts, vocab_dir, tmp_path):  # noqa: F811
+    import yaml
+
+    out = tmp_path / "run"
+    cfg = tiny_recipe(tiny_dirs, tiny_prompts, out, vocab_dir, steps=300, checkpoint_every=5)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(dict(cfg.__dict__)))
+    command = [sys.executable, "-m", "specdec.cli", "distill-feature-head", "--config", str(recipe)]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    first.kill()
+    first.wait()
+    assert (out / "checkpoint.pt").exists()
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming from step" in second.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["history"]) == 300 and report["history"][-1]["step"] == 300
