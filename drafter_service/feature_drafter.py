@@ -14,6 +14,7 @@ import torch
 
 from drafter_service.drafter import DrafterEngine, DrafterSession
 from drafter_service.tree_builders import NextToken, builder_for
+from specdec.core.engine import quantize_linears
 from specdec.core.feature_head import (
     feature_fingerprint,
     is_feature_head,
@@ -42,6 +43,10 @@ class FeatureDrafter(DrafterEngine):
         if steering_checkpoint:
             raise ValueError("a feature head reads verifier features; it takes no steering checkpoint")
         self.head, base = load_feature_head(spec.source)
+        if spec.dtype == "int8":  # the head is memory-bound: int8 weights draft about 3x faster
+            quantize_linears(self.head)
+        elif spec.dtype != "float32":
+            raise ValueError(f"a feature head runs float32 or int8 weights, not {spec.dtype}")
         self.model = self.head  # its config describes the drafter (ModelInfo)
         self.eos_ids = eos_token_ids(base, self.tokenizer)
         self.max_context = max_context(base)

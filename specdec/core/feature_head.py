@@ -170,7 +170,7 @@ class FeatureHead(torch.nn.Module):
     def forward(self, token_ids, features, position_ids, past_keys=None, past_values=None, mask=None):
         """token_ids (B, T), features (B, T, H) read with them, position_ids (B, T).
         Returns (outputs (B, T, H), keys, values of this pass)."""
-        parts = [self.token_norm(self.embed(token_ids)), self.feature_norm(features.to(self.fc.weight.dtype))]
+        parts = [self.token_norm(self.embed(token_ids)), self.feature_norm(features.to(self.embed.weight.dtype))]
         x = self.fc(torch.cat(parts, dim=-1))
         cos, sin = self.rotary(x, position_ids)
         return self.layer(x, cos[:, None], sin[:, None], past_keys, past_values, mask)

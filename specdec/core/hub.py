@@ -19,10 +19,7 @@ BUILTIN_SMOLLM2 = "smollm2-135m-instruct"
 # The default drafter: distilled toward SmolLM2-135M-Instruct by `specdec distill` with
 # specdec/data/recipes/default_drafter.yaml, shipped inside the package.
 BUILTIN_DRAFTER = "smollm2-135m-drafter"
-# The drafter that reads the verifier's features (EAGLE-3 style), trained by
-# `specdec distill-feature-head` with specdec/data/recipes/feature_head.yaml.
-BUILTIN_FEATURE_HEAD = "smollm2-135m-feature-head"
-_PACKAGED = {name: Path(__file__).parent.parent / "data" / "drafters" / name for name in (BUILTIN_DRAFTER, BUILTIN_FEATURE_HEAD)}
+_PACKAGED_DRAFTER = Path(__file__).parent.parent / "data" / "drafters" / BUILTIN_DRAFTER
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -75,7 +72,7 @@ def local_source(source: str) -> str:
 
 
 def resolve_alias(source: str) -> str:
-    return str(_PACKAGED[source]) if source in _PACKAGED else source
+    return str(_PACKAGED_DRAFTER) if source == BUILTIN_DRAFTER else source
 
 
 def load_model_weights_only(source: str, dtype: torch.dtype) -> torch.nn.Module:

@@ -3,7 +3,10 @@
 Data: the served verifier (its own engine and weight format, so the features are the ones it
 will send) continues each training prompt, greedy once and sampled at T=1 after that; every
 position's residual stream at the three fused depths and the verifier's next-token
-distribution on the draft vocabulary (its top `target_top_k`) are cached.
+distribution on the draft vocabulary (its top `target_top_k`) are cached. With `prompt_text`,
+the verifier also reads every training prompt whole (long ones included) in one teacher-forced
+pass, cut into chunks of `text_chunk_tokens`: three times more positions for a fraction of the
+cost of generating them, which a head this size needs not to memorise its few samples.
 
 Training-time test (EAGLE-3, HASS): the head is unrolled `unroll` steps. Step 1 reads the
 verifier's features. Step k reads, at position i, its own step k-1 output of position i-1,
@@ -57,6 +60,9 @@ class FeatureHeadConfig:
     max_prompt_tokens: int = 256
     sample_tokens: int = 96
     samples_per_prompt: int = 2  # the first greedy, the others sampled at T=1
+    prompt_text: bool = True  # also the training prompts themselves, teacher-forced
+    text_chunk_tokens: int = 256
+    weight_decay: float = 0.01
     target_top_k: int = 32
     unroll: int = 4
     batch_size: int = 4
@@ -72,7 +78,7 @@ class FeatureHeadConfig:
     def __post_init__(self):
         if self.layers and len(self.layers) != 3:
             raise ConfigError(f"layers must name 3 verifier depths, got {self.layers}")
-        for name in ("max_prompt_tokens", "sample_tokens", "samples_per_prompt", "target_top_k", "unroll", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every"):
+        for name in ("max_prompt_tokens", "sample_tokens", "samples_per_prompt", "text_chunk_tokens", "target_top_k", "unroll", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
 
@@ -224,20 +230,65 @@ def _atomic_save(obj, path: Path) -> None:
     tmp.rename(path)
 
 
-def _collect(cfg: FeatureHeadConfig, layers: list[int], vocab_ids: torch.Tensor) -> dict:
-    tokenizer = load_tokenizer(cfg.verifier)
+@torch.inference_mode()
+def _read_text(engine, ids: list[int], chunk: int, layers: list[int], vocab_ids: torch.Tensor, top_k: int) -> list[Sample]:
+    """The verifier reads `ids` in one teacher-forced pass (chunk by chunk over one cache, so
+    every feature has the whole text before it); each chunk becomes a sample whose every
+    position but the last is trained on."""
+    cache, samples = engine.new_cache(), []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        logits, states = engine(cache, piece, len(piece), hidden_states=True)
+        if len(piece) < 3:
+            break
+        top = torch.topk(torch.softmax(logits[:-1].double(), -1)[:, vocab_ids], top_k)
+        hidden = torch.stack([states[i][0, :-1] for i in layers], dim=1).half()
+        samples.append(Sample(torch.tensor(piece), 1, hidden, top.indices.short(), top.values.half()))
+    return samples
+
+
+def _verifier(cfg: FeatureHeadConfig):
     verifier = load_model(ModelSpec(cfg.verifier, dtype=cfg.verifier_dtype))
-    engine = engine_for(verifier, cfg.verifier_dtype)
-    eos = set(eos_token_ids(verifier, tokenizer))
+    return verifier, engine_for(verifier, cfg.verifier_dtype)
+
+
+def _training_rows(cfg: FeatureHeadConfig, tokenizer) -> tuple[dict, list[dict], list[dict]]:
     rows = load_prompts(cfg.prompts)
     ids_of = {r["question_id"]: chat_ids(tokenizer, r["prompt"]) for r in rows}
     short = [r for r in rows if len(ids_of[r["question_id"]]) <= cfg.max_prompt_tokens]
-    train_rows, eval_rows = training_split(short), evaluation_split(short, cfg.eval_prompts)
+    return ids_of, training_split(short), evaluation_split(short, cfg.eval_prompts)
+
+
+def _collect_text(cfg: FeatureHeadConfig, layers: list[int], vocab_ids: torch.Tensor) -> list[Sample]:
+    tokenizer = load_tokenizer(cfg.verifier)
+    _, engine = _verifier(cfg)
+    rows = training_split(load_prompts(cfg.prompts))
+    samples = []
+    for r in tqdm(rows, desc="verifier reads the training prompts", unit="prompt"):
+        samples += _read_text(engine, chat_ids(tokenizer, r["prompt"]), cfg.text_chunk_tokens, layers, vocab_ids, cfg.target_top_k)
+    return samples
+
+
+def _collect(cfg: FeatureHeadConfig, layers: list[int], vocab_ids: torch.Tensor, partial_path: Path, settings: dict) -> dict:
+    """Generation takes hours for large recipes: its progress is saved every 10 prompts to
+    `partial_path` and picked up again after a kill."""
+    tokenizer = load_tokenizer(cfg.verifier)
+    verifier, engine = _verifier(cfg)
+    eos = set(eos_token_ids(verifier, tokenizer))
+    ids_of, train_rows, eval_rows = _training_rows(cfg, tokenizer)
     generator = torch.Generator().manual_seed(cfg.seed)
-    train, evaluation = [], []
-    for r in tqdm(train_rows, desc="verifier samples (train)", unit="prompt"):
+    partial = torch.load(partial_path, weights_only=False) if partial_path.is_file() else None
+    if partial is None or partial["settings"] != settings:
+        partial = {"settings": settings, "train": [], "prompts_done": 0, "generator": generator.get_state()}
+    generator.set_state(partial["generator"])
+    train, done = partial["train"], partial["prompts_done"]
+    for r in tqdm(train_rows[done:], desc="verifier samples (train)", unit="prompt", initial=done, total=len(train_rows)):
         for index in range(cfg.samples_per_prompt):
             train.append(_continue(engine, ids_of[r["question_id"]], cfg.sample_tokens, layers, vocab_ids, cfg.target_top_k, eos, None if index == 0 else generator))
+        done += 1
+        if done % 10 == 0:
+            _atomic_save({"settings": settings, "train": train, "prompts_done": done, "generator": generator.get_state()}, partial_path)
+    evaluation = []
     for r in tqdm(eval_rows, desc="verifier greedy (held out)", unit="prompt"):
         evaluation.append(_continue(engine, ids_of[r["question_id"]], cfg.eval_tokens, layers, vocab_ids, cfg.target_top_k, eos, None))
     return {
@@ -266,14 +317,24 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
     cached = out / "samples.pt"
     data = torch.load(cached, weights_only=False) if cached.is_file() else None
     if data is None or data["settings"] != data_settings:
-        data = _collect(cfg, layers, torch.tensor(vocab_ids)) | {"settings": data_settings}
+        data = _collect(cfg, layers, torch.tensor(vocab_ids), out / "samples.partial.pt", data_settings) | {"settings": data_settings}
         _atomic_save(data, cached)
-    train = sorted(data["train"], key=lambda s: len(s.tokens))  # neighbours batch with little padding
+    train = data["train"]
+    if cfg.prompt_text:
+        text_settings = {k: data_settings[k] for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "target_top_k", "layers")}
+        text_settings["text_chunk_tokens"] = cfg.text_chunk_tokens
+        text_cache = out / "prompt_text.pt"
+        text = torch.load(text_cache, weights_only=False) if text_cache.is_file() else None
+        if text is None or text["settings"] != text_settings:
+            text = {"settings": text_settings, "samples": _collect_text(cfg, layers, torch.tensor(vocab_ids))}
+            _atomic_save(text, text_cache)
+        train = train + text["samples"]
+    train = sorted(train, key=lambda s: len(s.tokens))  # neighbours batch with little padding
 
     head = FeatureHead.from_verifier(base, layers, vocab_ids)
     del base
     trainable = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / cfg.steps))
     checkpoint_path = out / "checkpoint.pt"
     step, history, before = 0, [], None
@@ -326,7 +387,7 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
         "train_question_ids": data["train_question_ids"],
         "eval_question_ids": data["eval_question_ids"],
         "train_samples": len(train),
-        "train_tokens": sum(len(s.tokens) - s.prompt_len for s in train),
+        "train_positions": sum(len(s.tokens) - s.prompt_len for s in train),
         "before": before,
         "after": after,
         "history": history,
