@@ -1,16 +1,21 @@
 """The speculative round loop and what it measures. One screen: draft, verify, commit."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+import grpc
+
 from coordinator.budget import BudgetController, Plan, RoundReport
 from coordinator.clients import PairSession
 from specdec.core.tree import ROOT, DraftTree, TreeShape
 from specdec.v1 import coordinator_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +39,8 @@ class Meter:
     draft_steering_ms: float = 0.0
     verify_steering_ms: float = 0.0
     overlap_hits: int = 0
+    drafter_failures: int = 0
+    accepted_per_position: Counter = field(default_factory=Counter)  # depth (from 0) -> rounds accepting it
     plan_rounds: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)
 
@@ -91,6 +98,9 @@ class Meter:
             draft_steering_ms=self.draft_steering_ms,
             features=features,
             feature_bytes=self.feature_bytes,
+            drafter_failures=self.drafter_failures,
+            speculative_rounds=self.speculative_rounds,
+            accepted_per_position=[self.accepted_per_position[d] for d in range(max(self.accepted_per_position, default=-1) + 1)],
         )
 
 
@@ -125,26 +135,30 @@ def decode_rounds(
     true, the next round starts without waiting for the drafter."""
     generated, ahead = 0, None  # ahead: an overlapped draft, with the plan it was made for
     accepted_counts: Counter = Counter()  # this request's speculative rounds by tokens accepted
+    standby = DrafterStandby(meter)
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
         plan = policy.choose()
         depth = min(shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
-        if plan.budget == 0 or depth <= 0 or not session.can_draft:
+        draft = None
+        if plan.budget and depth > 0 and session.can_draft and standby.ready():
+            round_shape = replace(shape, method=plan.method, max_depth=depth)
+            if ahead is not None:  # its guess came true: this round's draft is ready
+                (draft, draft_call, plan), ahead = ahead, None
+                exposed_draft_ms = exposed_wire_ms = 0.0
+                meter.overlap_hits += 1
+            else:
+                draft, draft_call = standby.draft(session, plan.budget, round_shape)
+                if draft is not None:
+                    meter.add_call(draft_call, is_draft=True)
+                    exposed_draft_ms, exposed_wire_ms = draft_call.compute_ms, draft_call.overhead_ms
+        if draft is None:  # the verifier alone: by plan, before a feature head has features, or without a drafter
             # Before a feature head can draft, one verifier token brings the prompt's features.
             fused = min(fused_block, remaining) if session.can_draft else 1
             plan, ahead = Plan(0), None
             verdict, verify_call = session.verify(None, fused_tokens=fused)
             report = RoundReport(plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms)
         else:
-            round_shape = replace(shape, method=plan.method, max_depth=depth)
-            if ahead is not None:  # its guess came true: this round's draft is ready
-                draft, draft_call, plan = ahead
-                exposed_draft_ms = exposed_wire_ms = 0.0
-                meter.overlap_hits += 1
-            else:
-                draft, draft_call = session.draft(plan.budget, round_shape)
-                meter.add_call(draft_call, is_draft=True)
-                exposed_draft_ms, exposed_wire_ms = draft_call.compute_ms, draft_call.overhead_ms
             structure = DraftTree(list(draft.tree.token_ids), list(draft.tree.parent))  # parents only: no proposals needed here
             if overlap is None:
                 verdict, verify_call = session.verify(draft.tree)
@@ -152,11 +166,12 @@ def decode_rounds(
                 context_length = len(session.context)
                 verifying = overlap.submit(session.verify, draft.tree)
                 assumed, excludes = overlap_guess(structure, accepted_counts)
-                next_draft, next_call = session.draft(plan.budget, round_shape, assumed, context_length, excludes)
-                meter.add_call(next_call, is_draft=True)
+                next_draft, next_call = standby.draft(session, plan.budget, round_shape, assumed, context_length, excludes)
                 verdict, verify_call = verifying.result()
-                hit = list(next_draft.assumed_token_ids) == list(verdict.token_ids)
-                ahead = (next_draft, next_call, plan) if hit else None
+                if next_draft is not None:
+                    meter.add_call(next_call, is_draft=True)
+                    hit = list(next_draft.assumed_token_ids) == list(verdict.token_ids)
+                    ahead = (next_draft, next_call, plan) if hit else None
             nodes = len(structure)
             report = RoundReport(
                 plan, verdict.num_accepted_draft_tokens, max(structure.depths(), default=0), 1 + nodes,
@@ -165,12 +180,42 @@ def decode_rounds(
             meter.speculative_rounds += 1
             meter.accepted += verdict.num_accepted_draft_tokens
             accepted_counts[verdict.num_accepted_draft_tokens] += 1
+            meter.accepted_per_position.update(range(verdict.num_accepted_draft_tokens))
             meter.drafted += nodes
         policy.observe(report)
         meter.add_call(verify_call, is_draft=False)
         meter.add_plan(plan)
         generated += len(verdict.token_ids)
         yield list(verdict.token_ids)
+
+
+class DrafterStandby:
+    """A request outlives its drafter: after a failed Draft call (the drafter killed, restarting,
+    overloaded or timing out) the rounds go on with the verifier alone, exactly, and the drafter
+    is tried again after 2, 4, 8, ... up to 32 rounds; one success resets the wait."""
+
+    MAX_WAIT_ROUNDS = 32
+
+    def __init__(self, meter: Meter):
+        self.meter = meter
+        self.streak = 0
+        self.next_try = 0
+
+    def ready(self) -> bool:
+        return self.meter.rounds >= self.next_try
+
+    def draft(self, session: PairSession, *args):
+        """session.draft(*args), or (None, None) when the drafter failed."""
+        try:
+            result = session.draft(*args)
+        except grpc.RpcError as err:
+            self.streak += 1
+            self.meter.drafter_failures += 1
+            self.next_try = self.meter.rounds + min(2**self.streak, self.MAX_WAIT_ROUNDS)
+            log.warning("drafter call failed (%s: %s); the verifier goes on alone for now", err.code().name, err.details())
+            return None, None
+        self.streak = 0
+        return result
 
 
 def overlap_guess(tree: DraftTree, accepted_counts: Counter) -> tuple[list[int], list[int]]:

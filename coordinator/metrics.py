@@ -1,6 +1,10 @@
 """Prometheus metrics through ray.serve.metrics: what every finished request measured, so a
 dashboard shows acceptance, speed, the chosen budgets, where round time goes, and bytes.
-Ray exports them with the rest of the cluster's metrics (port 8080 of each node by default)."""
+Ray exports them with the rest of the cluster's metrics (port 8080 of each node by default).
+Acceptance is also counted under vLLM's speculative decoding names (without its `vllm:`
+namespace): acceptance rate = spec_decode_num_accepted_tokens / spec_decode_num_draft_tokens,
+mean acceptance length = 1 + spec_decode_num_accepted_tokens / spec_decode_num_drafts, and
+per-position acceptance from spec_decode_num_accepted_tokens_per_pos{position}."""
 from __future__ import annotations
 
 from ray.serve import metrics
@@ -26,6 +30,14 @@ class RequestMetrics:
         self.bytes = metrics.Counter("specdec_bytes", "bytes on the service links, by direction (sent, received)", tag_keys=("direction",))
         self.steering_bytes = metrics.Counter("specdec_steering_bytes", "SD2 steering vector bytes (verifier -> coordinator -> drafter)")
         self.steering_ms = metrics.Counter("specdec_steering_ms", "SD2 steering compute inside the services", tag_keys=("service",))
+        self.feature_bytes = metrics.Counter("specdec_feature_bytes", "verifier feature bytes (verifier -> coordinator -> drafter)")
+        self.drafter_failures = metrics.Counter("specdec_drafter_failures", "failed Draft calls (the request went on with the verifier alone)")
+        self.num_drafts = metrics.Counter("spec_decode_num_drafts", "rounds that verified a draft")
+        self.num_draft_tokens = metrics.Counter("spec_decode_num_draft_tokens", "draft tokens sent to the verifier")
+        self.num_accepted = metrics.Counter("spec_decode_num_accepted_tokens", "draft tokens the verifier accepted")
+        self.accepted_per_pos = metrics.Counter(
+            "spec_decode_num_accepted_tokens_per_pos", "rounds whose draft token at this position (0 = first) was accepted", tag_keys=("position",)
+        )
 
     def record(self, stats: coordinator_pb2.RoundStats) -> None:
         tags = {"policy": stats.policy, "tree": stats.tree_method or "none"}
@@ -44,7 +56,13 @@ class RequestMetrics:
             (self.steering_bytes, stats.steering_bytes, None),
             (self.steering_ms, stats.verify_steering_ms, {"service": "verifier"}),
             (self.steering_ms, stats.draft_steering_ms, {"service": "drafter"}),
+            (self.feature_bytes, stats.feature_bytes, None),
+            (self.drafter_failures, stats.drafter_failures, None),
+            (self.num_drafts, stats.speculative_rounds, None),
+            (self.num_draft_tokens, stats.drafted_tokens, None),
+            (self.num_accepted, stats.accepted_draft_tokens, None),
         ]
+        increments += [(self.accepted_per_pos, count, {"position": str(d)}) for d, count in enumerate(stats.accepted_per_position)]
         increments += [(self.rounds, rounds, {"plan": plan}) for plan, rounds in stats.plan_rounds.items()]
         for counter, value, counter_tags in increments:
             if value > 0:  # Ray counters refuse increments of 0

@@ -105,12 +105,13 @@ def test_request_metrics_reach_prometheus(ray_stack):
 
     with grpc.insecure_channel(ray_stack) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        stub.Generate(coordinator_pb2.GenerateRequest(prompt="Hi", max_new_tokens=4, num_draft_tokens=0), timeout=600)
+        stub.Generate(coordinator_pb2.GenerateRequest(prompt="Hi", max_new_tokens=16, num_draft_tokens=4), timeout=600)
     port = ray.nodes()[0]["MetricsExportPort"]
     deadline, text = time.time() + 90, ""
-    while time.time() < deadline and "ray_specdec_requests" not in text:
+    while time.time() < deadline and not ("ray_specdec_requests" in text and "ray_spec_decode_num_drafts" in text):
         time.sleep(3)
         with urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()
-    for name in ("ray_specdec_requests", "ray_specdec_generated_tokens", "ray_specdec_round_time_ms", "ray_specdec_bytes"):
+    names = ("ray_specdec_requests", "ray_specdec_generated_tokens", "ray_specdec_round_time_ms", "ray_specdec_bytes")
+    for name in names + ("ray_spec_decode_num_drafts", "ray_spec_decode_num_draft_tokens"):  # vLLM's names too
         assert name in text, name

@@ -155,3 +155,34 @@ def test_retried_round_commits_once(tiny_stack):
         verifier.call("Verify", verifier_pb2.VerifyRequest(session_id="retry", round=5), verifier_pb2.VerifyResponse)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round 5" in err.value.details()
     verifier.close()
+
+
+def test_every_service_answers_server_reflection(tiny_stack):
+    """grpcurl and other tools discover each API without the protos."""
+    import grpc
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    for role, service, method in (
+        ("coordinator", "specdec.v1.Coordinator", "GenerateStream"),
+        ("drafter", "specdec.v1.Drafter", "Draft"),
+        ("verifier", "specdec.v1.Verifier", "Verify"),
+    ):
+        with grpc.insecure_channel(tiny_stack[role]) as channel:
+            database = ProtoReflectionDescriptorDatabase(channel)
+            assert {service, "grpc.health.v1.Health"} <= set(database.get_services())
+            found = DescriptorPool(database).FindServiceByName(service)
+            assert method in found.methods_by_name
+
+
+def test_acceptance_by_position_adds_up(tiny_stack):
+    """The counts behind vLLM's acceptance metrics: rounds, drafted, accepted and per position."""
+    client = CoordinatorClient(tiny_stack["coordinator"])
+    stats = client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=40, num_draft_tokens=3)).stats
+    client.close()
+    per_position = list(stats.accepted_per_position)
+    assert stats.speculative_rounds > 0 and sum(per_position) == stats.accepted_draft_tokens > 0
+    assert per_position == sorted(per_position, reverse=True) and len(per_position) <= 3
+    assert per_position[0] <= stats.speculative_rounds

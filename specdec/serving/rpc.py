@@ -14,6 +14,7 @@ from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,14 @@ def start_server(
     max_workers: int = 16,
     health_service: str | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Starts a gRPC server with the standard health service; returns it and the bound port."""
+    """Starts a gRPC server with the standard health service and server reflection (so grpcurl
+    works without the protos); returns it, the bound port and the health servicer."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
     add_servicer(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health_service] if health_service else []
+    reflection.enable_server_reflection(names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind a gRPC server to {host}:{port}")
