@@ -14,7 +14,7 @@ from coordinator.output import OutputTracker
 from specdec.core.models import load_tokenizer
 from specdec.core.prompts import chat_ids
 from specdec.core.sampling import validate_sampling
-from specdec.core.tree import TreeShape
+from specdec.core.tree import MAX_DRAFT_NODES, TreeShape
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.latency_proxy import LatencyProxy
 from specdec.serving.rpc import invalid, reports_errors, start_server
@@ -86,8 +86,8 @@ class Coordinator:
         if any(not s for s in request.stop):
             raise invalid("stop strings must not be empty")
         budget = request.num_draft_tokens if request.HasField("num_draft_tokens") else self.config.num_draft_tokens
-        if not 0 <= budget <= 64:
-            raise invalid(f"num_draft_tokens must be in [0, 64] (0 = verifier only), got {budget}")
+        if not 0 <= budget <= MAX_DRAFT_NODES:
+            raise invalid(f"num_draft_tokens must be in [0, {MAX_DRAFT_NODES}] (0 = verifier only), got {budget}")
         shape = shape_from_proto(request.tree) if request.HasField("tree") else self.config.tree
         try:
             shape.validate()

@@ -25,7 +25,14 @@ from specdec.core.models import (
 )
 from specdec.core.sampling import Sampling, warp_probs
 from specdec.core.steering import load_drafter_steering
-from specdec.core.tree import ROOT, DraftTree, Proposal, TreeShape, node_inputs
+from specdec.core.tree import (
+    MAX_DRAFT_NODES,
+    ROOT,
+    DraftTree,
+    Proposal,
+    TreeShape,
+    node_inputs,
+)
 from specdec.serving.rpc import ServiceError, invalid
 from specdec.serving.sessions import SessionStore, check_context
 
@@ -50,7 +57,7 @@ class DrafterEngine:
         proposal_top_k: int = 32,
         max_sessions: int = 64,
         session_ttl_s: float = 600.0,
-        max_draft_tokens: int = 64,
+        max_draft_tokens: int = MAX_DRAFT_NODES,
         steering_checkpoint: str | None = None,
     ):
         self.spec = spec

@@ -2,6 +2,8 @@
 keep serving others."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -55,6 +57,9 @@ def still_serving(coordinator):
         ({"prompt": "w1", "num_draft_tokens": -1}, ["num_draft_tokens"]),
         ({"prompt": "w1", "tree": common_pb2.TreeShape(method="beam")}, ["tree method must be one of", "rsd-s"]),
         ({"prompt": "w1", "tree": common_pb2.TreeShape(method="static", branching=[2, 0])}, ["branching"]),
+        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="dynamic", width=10**6)}, ["tree width must be in [1, 64]"]),
+        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="static", branching=[2] * 100)}, ["branching must list 1 to 64"]),
+        ({"prompt": "w1", "tree": common_pb2.TreeShape(max_depth=1000)}, ["max_depth must be in [0, 64]"]),
     ],
 )
 def test_bad_generate_requests(clients, fields, phrases):
@@ -172,6 +177,11 @@ def test_bad_tree_shape_sent_to_the_drafter(clients):
         session_id="shape", start=_start(), committed_length=3, num_draft_tokens=4, tree_shape=common_pb2.TreeShape(method="bushy")
     )
     expect_error(lambda: drafter.call("Draft", request, drafter_pb2.DraftResponse), INVALID, "tree_shape", "bushy")
+    # A huge width would rank width^2 candidates per depth under the model lock: refused at once.
+    request.tree_shape.CopyFrom(common_pb2.TreeShape(method="dynamic", width=10**6))
+    started = time.perf_counter()
+    expect_error(lambda: drafter.call("Draft", request, drafter_pb2.DraftResponse), INVALID, "tree_shape", "width")
+    assert time.perf_counter() - started < 2.0
     still_serving(clients[0])
 
 

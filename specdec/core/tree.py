@@ -102,6 +102,9 @@ class DraftTree:
                 raise MalformedTree(f"tokens {missing} under node {node} have no probability in its proposal")
 
 
+MAX_DRAFT_NODES = 64  # the largest node budget of one draft
+
+
 @dataclass
 class TreeShape:
     """How a drafter spends its node budget (see common.proto TreeShape)."""
@@ -112,15 +115,19 @@ class TreeShape:
     max_depth: int = 0  # the deepest level drafted; 0 = as deep as the budget allows
 
     def validate(self) -> None:
-        """Raises ValueError naming the field that is out of range."""
+        """Raises ValueError naming the field that is out of range. No draft has more than
+        MAX_DRAFT_NODES nodes, so a larger width, branching or depth means nothing, and is
+        refused before a builder could spend time on it (a dynamic tree ranks width^2
+        candidates per depth)."""
+        cap = MAX_DRAFT_NODES
         if self.method not in TREE_METHODS:
             raise ValueError(f"tree method must be one of {', '.join(TREE_METHODS)}, got '{self.method}'")
-        if not self.branching or any(b < 1 for b in self.branching):
-            raise ValueError(f"tree branching must be a non-empty list of integers >= 1, got {self.branching}")
-        if self.width < 1:
-            raise ValueError(f"tree width must be >= 1, got {self.width}")
-        if self.max_depth < 0:
-            raise ValueError(f"tree max_depth must be >= 0 (0 = up to the budget), got {self.max_depth}")
+        if not 1 <= len(self.branching) <= cap or any(not 1 <= b <= cap for b in self.branching):
+            raise ValueError(f"tree branching must list 1 to {cap} integers in [1, {cap}], got {self.branching[:8]}{'...' if len(self.branching) > 8 else ''}")
+        if not 1 <= self.width <= cap:
+            raise ValueError(f"tree width must be in [1, {cap}], got {self.width}")
+        if not 0 <= self.max_depth <= cap:
+            raise ValueError(f"tree max_depth must be in [0, {cap}] (0 = up to the budget), got {self.max_depth}")
 
 
 def _validate_proposal(node: int, proposal: Proposal, vocab_size: int) -> None:

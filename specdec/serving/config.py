@@ -16,7 +16,7 @@ from specdec.core.feature_head import is_feature_head
 from specdec.core.hub import BUILTIN_DRAFTER, BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec
 from specdec.core.steering import is_steering_checkpoint_for
-from specdec.core.tree import TREE_METHODS, TreeShape
+from specdec.core.tree import MAX_DRAFT_NODES, TREE_METHODS, TreeShape
 from specdec.serving.latency_proxy import LinkSettings
 
 
@@ -126,8 +126,8 @@ class Config:
             (0 <= self.coordinator.port < 65536, "coordinator.port must be in [0, 65535]"),
             (self.drafter.proposal_top_k >= 1, "drafter.proposal_top_k must be >= 1"),
             (
-                all(1 <= b <= 64 for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets),
-                "coordinator.adaptive budgets must be in [1, 64]",
+                all(1 <= b <= MAX_DRAFT_NODES for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets),
+                f"coordinator.adaptive budgets must be in [1, {MAX_DRAFT_NODES}]",
             ),
             (self.coordinator.adaptive.tree_method in TREE_METHODS, f"coordinator.adaptive.tree_method must be one of {', '.join(TREE_METHODS)}"),
             (self.coordinator.adaptive.revisit_every >= 2, "coordinator.adaptive.revisit_every must be >= 2"),
