@@ -140,7 +140,7 @@ class PairSession:
 
         reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None)
         self._drafter_seen = len(context)
-        self._drafter_features = max(self._drafter_features, feature_count) if self.features else 0
+        self._drafter_features = max(self._drafter_features, feature_count)
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
         call.feature_bytes = sent_features
         return reply, call

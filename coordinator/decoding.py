@@ -40,7 +40,7 @@ class Meter:
     verify_steering_ms: float = 0.0
     overlap_hits: int = 0
     drafter_failures: int = 0
-    accepted_per_position: Counter = field(default_factory=Counter)  # depth (from 0) -> rounds accepting it
+    accepted_counts: Counter = field(default_factory=Counter)  # speculative rounds by draft tokens accepted
     plan_rounds: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)
 
@@ -100,7 +100,10 @@ class Meter:
             feature_bytes=self.feature_bytes,
             drafter_failures=self.drafter_failures,
             speculative_rounds=self.speculative_rounds,
-            accepted_per_position=[self.accepted_per_position[d] for d in range(max(self.accepted_per_position, default=-1) + 1)],
+            # Rounds accepting the draft token at depth d + 1: those that accepted more than d.
+            accepted_per_position=[
+                sum(count for accepted, count in self.accepted_counts.items() if accepted > d) for d in range(max(self.accepted_counts, default=0))
+            ],
         )
 
 
@@ -134,7 +137,6 @@ def decode_rounds(
     verifier checks this one, guessing the likeliest outcome (`overlap_guess`); when it came
     true, the next round starts without waiting for the drafter."""
     generated, ahead = 0, None  # ahead: an overlapped draft, with the plan it was made for
-    accepted_counts: Counter = Counter()  # this request's speculative rounds by tokens accepted
     standby = DrafterStandby(meter)
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
@@ -165,7 +167,7 @@ def decode_rounds(
             else:
                 context_length = len(session.context)
                 verifying = overlap.submit(session.verify, draft.tree)
-                assumed, excludes = overlap_guess(structure, accepted_counts)
+                assumed, excludes = overlap_guess(structure, meter.accepted_counts)
                 next_draft, next_call = standby.draft(session, plan.budget, round_shape, assumed, context_length, excludes)
                 verdict, verify_call = verifying.result()
                 if next_draft is not None:
@@ -179,8 +181,7 @@ def decode_rounds(
             )
             meter.speculative_rounds += 1
             meter.accepted += verdict.num_accepted_draft_tokens
-            accepted_counts[verdict.num_accepted_draft_tokens] += 1
-            meter.accepted_per_position.update(range(verdict.num_accepted_draft_tokens))
+            meter.accepted_counts[verdict.num_accepted_draft_tokens] += 1
             meter.drafted += nodes
         policy.observe(report)
         meter.add_call(verify_call, is_draft=False)

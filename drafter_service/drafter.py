@@ -51,6 +51,7 @@ class DrafterSession:
 
 
 class DrafterEngine:
+    session_type = DrafterSession
     def __init__(
         self,
         spec: ModelSpec,
@@ -96,7 +97,10 @@ class DrafterEngine:
         return session
 
     def _new_session(self, context: list[int], sampling: Sampling) -> DrafterSession:
-        return DrafterSession(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self.engine.new_cache())
+        return self.session_type(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self._new_cache())
+
+    def _new_cache(self) -> KVCache | TransformersCache:
+        return self.engine.new_cache()
 
     def draft(
         self,

@@ -22,7 +22,6 @@ from specdec.core.feature_head import (
 )
 from specdec.core.kv_cache import KVCache
 from specdec.core.models import ModelSpec, eos_token_ids, max_context
-from specdec.core.sampling import Sampling
 from specdec.core.tree import ROOT, DraftTree, TreeShape, node_inputs
 from specdec.serving.rpc import ServiceError
 
@@ -35,10 +34,11 @@ class FeatureSession(DrafterSession):
     committed_output: torch.Tensor | None = None  # the head's output at the last committed position
     extra: list[int] = field(default_factory=list)  # tokens fed after the committed ones (assumed, picked)
     extra_outputs: list[torch.Tensor] = field(default_factory=list)
-    node_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class FeatureDrafter(DrafterEngine):
+    session_type = FeatureSession
+
     def _load(self, spec: ModelSpec, steering_checkpoint: str | None) -> None:
         if steering_checkpoint:
             raise ValueError("a feature head reads verifier features; it takes no steering checkpoint")
@@ -53,12 +53,10 @@ class FeatureDrafter(DrafterEngine):
         self.steering_size = 0
         self.feature_size = self.head.hidden_size
         self.feature_fingerprint = feature_fingerprint(spec.source)
-        layer = self.head.layer
-        self._cache_shape = (1, layer.num_kv_heads, layer.head_dim)
 
-    def _new_session(self, context: list[int], sampling: Sampling) -> FeatureSession:
-        cache = KVCache(*self._cache_shape, torch.float32, "cpu")
-        return FeatureSession(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), cache)
+    def _new_cache(self) -> KVCache:
+        layer = self.head.layer
+        return KVCache(1, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu")
 
     def _take_features(self, session: FeatureSession, start: int, rows: torch.Tensor) -> None:
         if start > session.num_features:

@@ -142,15 +142,17 @@ def test_distilled_drafter_works_as_a_hugging_face_assistant(distilled, tiny_dir
     assert assisted[0, 3:].tolist() == hf_greedy(verifier, [1, 4, 5], 20)
 
 
-def test_distillation_resumes_after_a_kill(tiny_dirs, tiny_prompts, tmp_path):
-    recipe = tmp_path / "recipe.yaml"
-    out = tmp_path / "run"
-    cfg = tiny_recipe(tiny_dirs, tiny_prompts, out, steps=400, checkpoint_every=5)
+def assert_resumes_after_kill(command: str, recipe, tmp_path: Path, steps: int, flags: list[str] = ()) -> None:
+    """Runs `specdec COMMAND --config` on `recipe` (a dataclass whose `out` is under tmp_path),
+    kills it once it has checkpointed, runs it again (with `flags`) and checks it resumed and
+    finished all `steps`."""
     import yaml
 
-    recipe.write_text(yaml.safe_dump({k: v for k, v in cfg.__dict__.items()}))
-    command = [sys.executable, "-m", "specdec.cli", "distill", "--config", str(recipe)]
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = Path(recipe.out)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(dict(recipe.__dict__)))
+    argv = [sys.executable, "-m", "specdec.cli", command, "--config", str(path)]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while not (out / "checkpoint.pt").exists() and time.time() < deadline:
         time.sleep(0.2)
@@ -158,8 +160,13 @@ def test_distillation_resumes_after_a_kill(tiny_dirs, tiny_prompts, tmp_path):
     first.kill()
     first.wait()
     assert (out / "checkpoint.pt").exists()
-    second = subprocess.run(command + ["--steps", "400"], capture_output=True, text=True, timeout=600)
+    second = subprocess.run(argv + list(flags), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from step" in second.stdout
     report = json.loads((out / "report.json").read_text())
-    assert len(report["history"]) == 400 and report["history"][-1]["step"] == 400
+    assert len(report["history"]) == steps and report["history"][-1]["step"] == steps
+
+
+def test_distillation_resumes_after_a_kill(tiny_dirs, tiny_prompts, tmp_path):
+    cfg = tiny_recipe(tiny_dirs, tiny_prompts, tmp_path / "run", steps=400, checkpoint_every=5)
+    assert_resumes_after_kill("distill", cfg, tmp_path, 400, ["--steps", "400"])

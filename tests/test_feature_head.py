@@ -5,9 +5,6 @@ refused, and a short training run on tiny models aligns the head and resumes aft
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -27,7 +24,7 @@ from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
 from specdec.train.feature_head import FeatureHeadConfig, run_feature_head, unrolled
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 from tests.conftest import local_stack, tiny_config
-from tests.test_distill import tiny_prompts  # noqa: F401 (a fixture)
+from tests.test_distill import assert_resumes_after_kill, tiny_prompts  # noqa: F401 (a fixture)
 from tests.test_services import sampled_first_two_tokens
 from verifier_service.verifier import VerifierEngine
 
@@ -249,26 +246,8 @@ def test_short_training_aligns_the_head_and_serves_exactly(tiny_dirs, tiny_promp
 
 
 def test_training_resumes_after_a_kill(tiny_dirs, tiny_prompts, vocab_dir, tmp_path):  # noqa: F811
-    import yaml
-
-    out = tmp_path / "run"
-    cfg = tiny_recipe(tiny_dirs, tiny_prompts, out, vocab_dir, steps=300, checkpoint_every=5)
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(dict(cfg.__dict__)))
-    command = [sys.executable, "-m", "specdec.cli", "distill-feature-head", "--config", str(recipe)]
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
-    first.kill()
-    first.wait()
-    assert (out / "checkpoint.pt").exists()
-    second = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "resuming from step" in second.stdout
-    report = json.loads((out / "report.json").read_text())
-    assert len(report["history"]) == 300 and report["history"][-1]["step"] == 300
+    cfg = tiny_recipe(tiny_dirs, tiny_prompts, tmp_path / "run", vocab_dir, steps=300, checkpoint_every=5)
+    assert_resumes_after_kill("distill-feature-head", cfg, tmp_path, 300)
 
 
 def test_an_int8_head_drafts_like_the_float32_head(head_dir):

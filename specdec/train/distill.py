@@ -56,6 +56,7 @@ from specdec.core.steering import (
 )
 from specdec.serving.config import ConfigError
 from specdec.train.divergences import DIVERGENCES, divergence
+from specdec.train.files import atomic_save, load_or_make
 
 DATA_MODES = ("teacher", "on-policy", "mixed")
 
@@ -265,12 +266,6 @@ def _draft_vocab(samples: list[Sample], size: int, must_have: set[int]) -> list[
     return sorted(chosen)[: max(size, len(must_have))] if len(chosen) > size else sorted(chosen)
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    tmp.rename(path)
-
-
 def sample_settings(cfg: DistillConfig) -> dict:
     """What the cached teacher and evaluation samples depend on; another recipe with the same
     settings reuses them (copy samples.pt into its --out)."""
@@ -321,16 +316,14 @@ def run_distill(cfg: DistillConfig) -> dict:
     train_prompts = sorted((ids_of[r["question_id"]] for r in train_rows), key=len)
     eval_prompts = [ids_of[r["question_id"]] for r in eval_rows]
 
-    cached = out / "samples.pt"
-    sample_key = sample_settings(cfg)
-    data = torch.load(cached) if cached.is_file() else None
-    if data is None or data.get("settings") != sample_key:
-        data = {
-            "settings": sample_key,
+    data = load_or_make(
+        out / "samples.pt",
+        sample_settings(cfg),
+        lambda: {
             "teacher": _generate_samples(teacher, tokenizer, train_prompts, cfg.teacher_samples_per_prompt, cfg, eos, generator, "teacher samples"),
             "eval": _generate_samples(teacher, tokenizer, eval_prompts, 1, cfg, eos, generator, "eval (teacher greedy)", greedy=True),
-        }
-        _atomic_save(data, cached)
+        },
+    )
     # Excluded categories are dropped here, after the cache, so recipes that differ only in
     # them share one set of samples; their held-out prompts are evaluated apart.
     excluded = {tuple(ids_of[r["question_id"]]) for r in rows if r["category"] in cfg.exclude_categories}
@@ -422,7 +415,7 @@ def run_distill(cfg: DistillConfig) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", accept=f"{live_accept:.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            _atomic_save(
+            atomic_save(
                 {
                     "config": dataclasses.asdict(cfg), "step": step, "history": history, "before": before,
                     "student": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),

@@ -48,6 +48,7 @@ from specdec.core.prompts import (
 )
 from specdec.core.steering import default_layers
 from specdec.serving.config import ConfigError
+from specdec.train.files import atomic_save, load_or_make
 
 
 @dataclass
@@ -224,12 +225,6 @@ def _loss(head: FeatureHead, samples: list[Sample], steps: int) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    tmp.rename(path)
-
-
 @torch.inference_mode()
 def _read_text(engine, ids: list[int], chunk: int, layers: list[int], vocab_ids: torch.Tensor, top_k: int) -> list[Sample]:
     """The verifier reads `ids` in one teacher-forced pass (chunk by chunk over one cache, so
@@ -247,9 +242,20 @@ def _read_text(engine, ids: list[int], chunk: int, layers: list[int], vocab_ids:
     return samples
 
 
-def _verifier(cfg: FeatureHeadConfig):
-    verifier = load_model(ModelSpec(cfg.verifier, dtype=cfg.verifier_dtype))
-    return verifier, engine_for(verifier, cfg.verifier_dtype)
+class _ServedVerifier:
+    """The verifier as it is served, loaded (and int8-calibrated) on first use only: a run whose
+    samples are all cached never loads it, one that makes both kinds of samples loads it once."""
+
+    def __init__(self, cfg: FeatureHeadConfig):
+        self.cfg = cfg
+        self._loaded = None
+
+    def get(self):
+        """(model, engine)."""
+        if self._loaded is None:
+            model = load_model(ModelSpec(self.cfg.verifier, dtype=self.cfg.verifier_dtype))
+            self._loaded = model, engine_for(model, self.cfg.verifier_dtype)
+        return self._loaded
 
 
 def _training_rows(cfg: FeatureHeadConfig, tokenizer) -> tuple[dict, list[dict], list[dict]]:
@@ -259,9 +265,9 @@ def _training_rows(cfg: FeatureHeadConfig, tokenizer) -> tuple[dict, list[dict],
     return ids_of, training_split(short), evaluation_split(short, cfg.eval_prompts)
 
 
-def _collect_text(cfg: FeatureHeadConfig, layers: list[int], vocab_ids: torch.Tensor) -> list[Sample]:
+def _collect_text(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: list[int], vocab_ids: torch.Tensor) -> list[Sample]:
     tokenizer = load_tokenizer(cfg.verifier)
-    _, engine = _verifier(cfg)
+    _, engine = verifier.get()
     rows = training_split(load_prompts(cfg.prompts))
     samples = []
     for r in tqdm(rows, desc="verifier reads the training prompts", unit="prompt"):
@@ -269,12 +275,12 @@ def _collect_text(cfg: FeatureHeadConfig, layers: list[int], vocab_ids: torch.Te
     return samples
 
 
-def _collect(cfg: FeatureHeadConfig, layers: list[int], vocab_ids: torch.Tensor, partial_path: Path, settings: dict) -> dict:
+def _collect(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: list[int], vocab_ids: torch.Tensor, partial_path: Path, settings: dict) -> dict:
     """Generation takes hours for large recipes: its progress is saved every 10 prompts to
     `partial_path` and picked up again after a kill."""
     tokenizer = load_tokenizer(cfg.verifier)
-    verifier, engine = _verifier(cfg)
-    eos = set(eos_token_ids(verifier, tokenizer))
+    model, engine = verifier.get()
+    eos = set(eos_token_ids(model, tokenizer))
     ids_of, train_rows, eval_rows = _training_rows(cfg, tokenizer)
     generator = torch.Generator().manual_seed(cfg.seed)
     partial = torch.load(partial_path, weights_only=False) if partial_path.is_file() else None
@@ -287,7 +293,7 @@ def _collect(cfg: FeatureHeadConfig, layers: list[int], vocab_ids: torch.Tensor,
             train.append(_continue(engine, ids_of[r["question_id"]], cfg.sample_tokens, layers, vocab_ids, cfg.target_top_k, eos, None if index == 0 else generator))
         done += 1
         if done % 10 == 0:
-            _atomic_save({"settings": settings, "train": train, "prompts_done": done, "generator": generator.get_state()}, partial_path)
+            atomic_save({"settings": settings, "train": train, "prompts_done": done, "generator": generator.get_state()}, partial_path)
     evaluation = []
     for r in tqdm(eval_rows, desc="verifier greedy (held out)", unit="prompt"):
         evaluation.append(_continue(engine, ids_of[r["question_id"]], cfg.eval_tokens, layers, vocab_ids, cfg.target_top_k, eos, None))
@@ -314,20 +320,18 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
 
     data_settings = {k: getattr(cfg, k) for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "max_prompt_tokens", "sample_tokens", "samples_per_prompt", "target_top_k", "eval_prompts", "eval_tokens", "seed")}
     data_settings["layers"] = layers
-    cached = out / "samples.pt"
-    data = torch.load(cached, weights_only=False) if cached.is_file() else None
-    if data is None or data["settings"] != data_settings:
-        data = _collect(cfg, layers, torch.tensor(vocab_ids), out / "samples.partial.pt", data_settings) | {"settings": data_settings}
-        _atomic_save(data, cached)
+    verifier = _ServedVerifier(cfg)
+    vocab_tensor = torch.tensor(vocab_ids)
+    data = load_or_make(
+        out / "samples.pt", data_settings, lambda: _collect(cfg, verifier, layers, vocab_tensor, out / "samples.partial.pt", data_settings), weights_only=False
+    )
     train = data["train"]
     if cfg.prompt_text:
         text_settings = {k: data_settings[k] for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "target_top_k", "layers")}
         text_settings["text_chunk_tokens"] = cfg.text_chunk_tokens
-        text_cache = out / "prompt_text.pt"
-        text = torch.load(text_cache, weights_only=False) if text_cache.is_file() else None
-        if text is None or text["settings"] != text_settings:
-            text = {"settings": text_settings, "samples": _collect_text(cfg, layers, torch.tensor(vocab_ids))}
-            _atomic_save(text, text_cache)
+        text = load_or_make(
+            out / "prompt_text.pt", text_settings, lambda: {"samples": _collect_text(cfg, verifier, layers, vocab_tensor)}, weights_only=False
+        )
         train = train + text["samples"]
     train = sorted(train, key=lambda s: len(s.tokens))  # neighbours batch with little padding
 
@@ -368,7 +372,7 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             trained = {k: v for k, v in head.state_dict().items() if not k.startswith(("embed.", "lm_head."))}
-            _atomic_save(
+            atomic_save(
                 {
                     "config": dataclasses.asdict(cfg), "step": step, "history": history, "before": before, "head": trained,
                     "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
