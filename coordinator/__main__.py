@@ -24,7 +24,7 @@ def main() -> None:
         parser.error(str(err))
     drafter = args.drafter or config.coordinator.drafter_address
     verifier = args.verifier or config.coordinator.verifier_address
-    if not drafter or not verifier:
+    if not verifier or not (drafter or config.coordinator.drafter_in_process):
         parser.error("give the drafter and verifier addresses (--drafter/--verifier or coordinator.*_address)")
     if args.port is not None:
         config.coordinator.port = args.port

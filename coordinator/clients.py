@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.core.tree import TreeShape
-from specdec.serving.rpc import CallCost, MeasuredClient
+from specdec.serving.rpc import CallCost, InProcessClient, MeasuredClient
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE, shape_to_proto
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -28,6 +28,7 @@ class ServiceCall:
     steering_ms: float = 0.0  # of compute_ms, the service's steering work
     steering_bytes: int = 0  # steering vector bytes this call carried
     feature_bytes: int = 0  # verifier feature bytes this call carried
+    forward_passes: int = 0  # drafter model forwards this call ran
 
     @property
     def overhead_ms(self) -> float:
@@ -36,14 +37,16 @@ class ServiceCall:
 
 
 class ServicePair:
-    def __init__(self, drafter_address: str, verifier_address: str, timeout_s: float = 120.0, proxies: list | None = None):
+    def __init__(self, drafter: str | InProcessClient, verifier_address: str, timeout_s: float = 120.0, proxies: list | None = None):
+        """`drafter`: the drafter's address, or a drafter running in this process."""
         self.proxies = proxies or []  # emulated links in front of the services, closed with the pair
-        self.drafter = MeasuredClient(drafter_address, DRAFTER_SERVICE)
+        self.drafter = drafter if isinstance(drafter, InProcessClient) else MeasuredClient(drafter, DRAFTER_SERVICE)
         self.verifier = MeasuredClient(verifier_address, VERIFIER_SERVICE)
         self.timeout_s = timeout_s
         self.drafter_info, _ = self.drafter.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
         self.verifier_info, _ = self.verifier.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
-        if self.drafter_info.tokenizer_fingerprint != self.verifier_info.tokenizer_fingerprint:
+        # A drafter without a model (n-gram) reports no tokenizer: it takes any token ids.
+        if self.drafter_info.tokenizer_fingerprint and self.drafter_info.tokenizer_fingerprint != self.verifier_info.tokenizer_fingerprint:
             raise PairMismatch(
                 f"mismatched tokenizers: drafter '{self.drafter_info.model}' and verifier '{self.verifier_info.model}' "
                 "do not share one tokenizer, so the drafter's token ids mean nothing to the verifier"
@@ -87,6 +90,7 @@ class PairSession:
         self.session_id = session_id
         self.sampling = sampling
         self.context = list(context)
+        self.prompt_length = len(context)
         self.steering = steering
         self.steering_vector: common_pb2.Tensor | None = None  # the verifier's latest, for the next draft
         # Feature head: the verifier's features of positions [0, count), float16 rows, and how
@@ -142,7 +146,7 @@ class PairSession:
         self._drafter_seen = len(context)
         self._drafter_features = max(self._drafter_features, feature_count)
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
-        call.feature_bytes = sent_features
+        call.feature_bytes, call.forward_passes = sent_features, reply.forward_passes
         return reply, call
 
     @property
@@ -161,7 +165,7 @@ class PairSession:
             if tree is not None:
                 message.tree.CopyFrom(tree)
             if reopen:
-                message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=self.context, sampling=self.sampling))
+                message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=self.context, sampling=self.sampling, prompt_length=self.prompt_length))
             return message
 
         reply, call = self._call(self.pair.verifier, "Verify", verifier_pb2.VerifyResponse, request, not self._verifier_open)

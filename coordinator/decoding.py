@@ -40,6 +40,7 @@ class Meter:
     verify_steering_ms: float = 0.0
     overlap_hits: int = 0
     drafter_failures: int = 0
+    draft_forward_passes: int = 0
     accepted_counts: Counter = field(default_factory=Counter)  # speculative rounds by draft tokens accepted
     plan_rounds: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)
@@ -55,6 +56,7 @@ class Meter:
             self.verify_steering_ms += call.steering_ms
         self.steering_bytes += call.steering_bytes
         self.feature_bytes += call.feature_bytes
+        self.draft_forward_passes += call.forward_passes
         self.serialization_ms += call.cost.serialize_ms + call.cost.deserialize_ms
         self.bytes_sent += call.cost.bytes_sent
         self.bytes_received += call.cost.bytes_received
@@ -99,6 +101,7 @@ class Meter:
             features=features,
             feature_bytes=self.feature_bytes,
             drafter_failures=self.drafter_failures,
+            draft_forward_passes=self.draft_forward_passes,
             speculative_rounds=self.speculative_rounds,
             # Rounds accepting the draft token at depth d + 1: those that accepted more than d.
             accepted_per_position=[
@@ -154,9 +157,12 @@ def decode_rounds(
                 if draft is not None:
                     meter.add_call(draft_call, is_draft=True)
                     exposed_draft_ms, exposed_wire_ms = draft_call.compute_ms, draft_call.overhead_ms
-        if draft is None:  # the verifier alone: by plan, before a feature head has features, or without a drafter
+        if draft is not None and not draft.tree.token_ids:
+            draft, fused = None, 1  # nothing to propose (an n-gram drafter without a match): ask again after a token
+        elif draft is None:
             # Before a feature head can draft, one verifier token brings the prompt's features.
             fused = min(fused_block, remaining) if session.can_draft else 1
+        if draft is None:  # the verifier alone: by plan, with nothing drafted, or without a drafter
             plan, ahead = Plan(0), None
             verdict, verify_call = session.verify(None, fused_tokens=fused)
             report = RoundReport(plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms)

@@ -173,13 +173,19 @@ def serve(coordinator: Coordinator, host: str, port: int):
     return server, bound
 
 
-def start(config, drafter_address: str, verifier_address: str, on_finished=None):
+def start(config, drafter_address: str | None, verifier_address: str, on_finished=None):
     """Connects to both services, checks the pair, and starts the client API; returns
-    (grpc server, bound port, coordinator)."""
+    (grpc server, bound port, coordinator). With coordinator.drafter_in_process the drafter
+    (one without a model) runs here instead, and drafter_address is not used."""
     network, proxies = config.coordinator.network, []
-    drafter_address = _through_link(drafter_address, network.drafter, proxies)
+    if config.coordinator.drafter_in_process:
+        from drafter_service.server import in_process
+
+        drafter = in_process(config.drafter)
+    else:
+        drafter = _through_link(drafter_address, network.drafter, proxies)
     verifier_address = _through_link(verifier_address, network.verifier, proxies)
-    pair = ServicePair(drafter_address, verifier_address, config.coordinator.request_timeout_s, proxies)
+    pair = ServicePair(drafter, verifier_address, config.coordinator.request_timeout_s, proxies)
     coordinator = Coordinator(config.coordinator, pair, config.verifier.model.source, on_finished)
     if config.resolved_steering_checkpoint() and coordinator.steering_problem:
         log.warning("requests will not be steered: %s", coordinator.steering_problem)

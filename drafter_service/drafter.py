@@ -23,6 +23,7 @@ from specdec.core.models import (
     max_context,
     tokenizer_fingerprint,
 )
+from specdec.core.ngram import NgramIndex, NgramProposer, NgramSettings, merge_trees
 from specdec.core.sampling import Sampling, warp_probs
 from specdec.core.steering import load_drafter_steering
 from specdec.core.tree import (
@@ -32,6 +33,7 @@ from specdec.core.tree import (
     Proposal,
     TreeShape,
     node_inputs,
+    verification_inputs,
 )
 from specdec.serving.rpc import ServiceError, invalid
 from specdec.serving.sessions import SessionStore, check_context
@@ -43,11 +45,25 @@ class DrafterSession:
     sampling: Sampling
     generator: torch.Generator
     cache: KVCache | TransformersCache
-    # The cache holds cached_tokens (committed) and then the last draft's fed nodes, in order.
+    # The cache holds cached_tokens (committed) and then the nodes of fed_tree, in node order:
+    # the last draft's expanded nodes and the second stage's guesses.
     cached_tokens: list[int] = field(default_factory=list)
-    last_draft: DraftTree = field(default_factory=DraftTree)
-    fed_nodes: list[int] = field(default_factory=list)
+    fed_tree: DraftTree = field(default_factory=DraftTree)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    prompt_length: int = 0  # of tokens: the context it was opened with
+    ngram: NgramIndex | None = None  # the n-gram stages' index of the committed tokens
+    forward_passes: int = 0  # model forwards run for this session
+
+
+@dataclass
+class Draft:
+    """One Draft call's answer."""
+
+    tree: DraftTree
+    assumed: list[int]  # the assumed tokens and the drafter's pick after them (overlapped drafting)
+    compute_ms: float
+    steering_ms: float  # of compute_ms, turning the steering vector into deltas
+    forward_passes: int
 
 
 class DrafterEngine:
@@ -60,18 +76,29 @@ class DrafterEngine:
         session_ttl_s: float = 600.0,
         max_draft_tokens: int = MAX_DRAFT_NODES,
         steering_checkpoint: str | None = None,
+        ngram: NgramSettings | None = None,
+        staged_lookahead: int = 0,
     ):
         self.spec = spec
-        self.tokenizer = load_tokenizer(spec.source)
-        self.vocab_size = len(self.tokenizer)
-        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self._load_tokenizer(spec)
         self.proposal_top_k = proposal_top_k
         self.max_draft_tokens = max_draft_tokens
         self.sessions: SessionStore[DrafterSession] = SessionStore(max_sessions, session_ttl_s)
         self._model_lock = threading.Lock()
         self.steering, self.steering_fingerprint = None, ""
         self.feature_size, self.feature_fingerprint = 0, ""  # a drafter that reads verifier features sets them
+        # Hybrid: n-gram candidates join the model's draft under the same node budget.
+        self.ngram = NgramProposer(ngram.method, ngram) if ngram and ngram.method else None
+        # Staged speculation: an n-gram stage guesses the drafter's next tokens, which it checks
+        # in the forward it runs anyway; right guesses save forwards, the draft is unchanged.
+        self.lookahead = staged_lookahead
+        self.stage2 = NgramProposer((ngram and ngram.method) or "prompt-lookup", ngram or NgramSettings()) if staged_lookahead else None
         self._load(spec, steering_checkpoint)
+
+    def _load_tokenizer(self, spec: ModelSpec) -> None:
+        self.tokenizer = load_tokenizer(spec.source)
+        self.vocab_size = len(self.tokenizer)
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
 
     def _load(self, spec: ModelSpec, steering_checkpoint: str | None) -> None:
         self.model = load_model(spec)
@@ -86,7 +113,7 @@ class DrafterEngine:
         check_tree_attention(self.engine, self.model.config)
 
     def open_session(self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str) -> DrafterSession:
-        if verifier_fingerprint and verifier_fingerprint != self.fingerprint:
+        if verifier_fingerprint and self.fingerprint and verifier_fingerprint != self.fingerprint:
             raise invalid(
                 "mismatched tokenizers: the verifier's tokenizer differs from this drafter's "
                 f"({verifier_fingerprint} vs {self.fingerprint}); a pair must share one tokenizer"
@@ -97,7 +124,18 @@ class DrafterEngine:
         return session
 
     def _new_session(self, context: list[int], sampling: Sampling) -> DrafterSession:
-        return self.session_type(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self._new_cache())
+        session = self.session_type(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self._new_cache())
+        session.prompt_length = len(context)
+        if self.ngram or self.stage2:
+            session.ngram = (self.ngram or self.stage2).new_index(context)
+        return session
+
+    def end_session(self, session_id: str) -> bool:
+        """Frees a session; an n-gram stage remembers its output for later requests."""
+        session = self.sessions.pop(session_id)
+        if session is not None and self.ngram:
+            self.ngram.finished(session.tokens[session.prompt_length :])
+        return session is not None
 
     def _new_cache(self) -> KVCache | TransformersCache:
         return self.engine.new_cache()
@@ -114,14 +152,13 @@ class DrafterEngine:
         steering: torch.Tensor | None = None,
         features: tuple[int, torch.Tensor] | None = None,
         pick_excludes: list[int] = (),
-    ) -> tuple[DraftTree, list[int], float, float]:
+    ) -> Draft:
         """Commits new_tokens and drafts a tree of at most num_tokens nodes after the context.
         With `assumed` tokens (overlapped drafting) the tree is drafted after the context plus
         those tokens plus the drafter's own pick of the next one (its likeliest outside
         `pick_excludes`), all uncommitted. A steering
         vector steers every token this call feeds; `features` (first position, rows) are the
-        verifier's, for a drafter that reads them. Returns the tree, what it assumed, the
-        compute time and, of it, the steering's, in ms."""
+        verifier's, for a drafter that reads them."""
         if not 1 <= num_tokens <= self.max_draft_tokens:
             raise invalid(f"num_draft_tokens must be in [1, {self.max_draft_tokens}], got {num_tokens}")
         try:
@@ -145,13 +182,35 @@ class DrafterEngine:
             if features is not None:
                 self._take_features(session, *features)
             session.tokens.extend(new_tokens)
-            start = time.perf_counter()
+            if session.ngram is not None:
+                session.ngram.extend(new_tokens)
+            start, forwards = time.perf_counter(), session.forward_passes
             context = session.tokens + list(assumed)
-            with self._model_lock, torch.inference_mode(), self._steered(steering) as steering_ms:
-                if assumed:
-                    context.append(self._pick_next(session, context, pick_excludes))
-                tree = self._draft_tree(session, context, shape, num_tokens)
-            return tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms[0]
+            tree, steering_ms = self._draft_after(session, context, shape, num_tokens, bool(assumed), pick_excludes, steering)
+            return Draft(tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards)
+
+    def _draft_after(
+        self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick: bool, pick_excludes: list[int],
+        steering: torch.Tensor | None,
+    ) -> tuple[DraftTree, float]:
+        """The tree after `context` (first extended by the drafter's pick of the next token when
+        `pick`), and the ms spent steering."""
+        with self._model_lock, torch.inference_mode(), self._steered(steering) as steering_ms:
+            if pick:
+                context.append(self._pick_next(session, context, pick_excludes))
+            if self.ngram is None:
+                return self._draft_tree(session, context, shape, budget), steering_ms[0]
+            # Greedy: the n-gram draft, then the model's nodes (at least one) fill the budget.
+            # Sampling: a deterministic child cannot join children sampled from a proposal, so
+            # where the context matched, the n-gram draft goes alone.
+            greedy = session.sampling.greedy
+            candidates = self.ngram.propose(session.ngram, context, budget - 1 if greedy else budget, shape.max_depth)
+            if not candidates:
+                return self._draft_tree(session, context, shape, budget), steering_ms[0]
+            if not greedy:
+                return candidates, steering_ms[0]
+            model = self._draft_tree(session, context, shape, budget - len(candidates))
+            return merge_trees(candidates, model, budget), steering_ms[0]
 
     def _take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
         raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
@@ -168,13 +227,13 @@ class DrafterEngine:
             yield [(time.perf_counter() - start) * 1e3]
 
     def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **masking) -> torch.Tensor:
+        session.forward_passes += 1
         logits, _ = self.engine(session.cache, input_ids, num_logits, **masking)
         return logits[:, : self.vocab_size]
 
     def _reuse_cache(self, session: DrafterSession, context: list[int]) -> list[int]:
-        """Keeps the cached tokens that still match `context` and the last draft's cached
-        nodes along the path that was committed; returns the context tokens still to feed
-        (at least the last one)."""
+        """Keeps the cached tokens that still match `context` and the fed nodes along the path
+        that was committed; returns the context tokens still to feed (at least the last one)."""
         keep = 0
         limit = min(len(session.cached_tokens), len(context) - 1)
         while keep < limit and session.cached_tokens[keep] == context[keep]:
@@ -182,56 +241,71 @@ class DrafterEngine:
         if keep < len(session.cached_tokens):  # a wrong assumption, or drafting again without a commit
             session.cache.truncate(keep)
             del session.cached_tokens[keep:]
-            session.last_draft, session.fed_nodes = DraftTree(), []
+            session.fed_tree = DraftTree()
         prefix = len(session.cached_tokens)
         new = context[prefix:]
-        tree, positions = session.last_draft, {n: i for i, n in enumerate(session.fed_nodes)}
-        kept, node = [], ROOT
+        tree, kept, node = session.fed_tree, [], ROOT
         for token in new[:-1]:
-            node = next((c for c in tree.children(node) if tree.token_ids[c] == token and c in positions), None)
+            node = next((c for c in tree.children(node) if tree.token_ids[c] == token), None)
             if node is None:
                 break
-            kept.append(prefix + positions[node])
+            kept.append(prefix + node)
         session.cache.keep_positions(prefix, kept)
         session.cached_tokens.extend(new[: len(kept)])
         return new[len(kept) :]
 
-    def _feed_context(self, session: DrafterSession, context: list[int]) -> torch.Tensor:
-        """Brings the cache up to `context` (no draft nodes after it); returns the logits
-        of the token that follows."""
+    def _feed_context(self, session: DrafterSession, context: list[int], guess: DraftTree | None = None) -> torch.Tensor:
+        """Brings the cache up to `context`, then feeds `guess` (a tree after it) in the same
+        forward; returns the logits of the token after the context, then after each guess node."""
         pending = self._reuse_cache(session, context)
-        logits = self._forward(session, pending)[-1]
+        if guess:
+            positions, mask = verification_inputs(guess, len(session.cached_tokens), len(pending))
+            logits = self._forward(session, pending + guess.token_ids, 1 + len(guess), position_ids=positions, attention_mask=mask)
+        else:
+            logits = self._forward(session, pending)[-1:]
         session.cached_tokens.extend(pending)
-        session.last_draft, session.fed_nodes = DraftTree(), []
+        session.fed_tree = guess or DraftTree()
         return logits
 
     def _pick_next(self, session: DrafterSession, context: list[int], excludes: list[int] = ()) -> int:
         """The drafter's guess of the token after `context`: its likeliest one not in `excludes`."""
-        logits = self._feed_context(session, context).clone()
+        logits = self._feed_context(session, context)[0].clone()
         logits[list(excludes)] = float("-inf")
         return int(logits.argmax())
 
+    def _guess(self, session: DrafterSession, tail: list[int]) -> DraftTree:
+        """The second stage's guess of what the drafter drafts after `tail`."""
+        return self.stage2.propose(session.ngram, tail, self.lookahead, self.lookahead) if self.stage2 else DraftTree()
+
     def _draft_tree(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
-        root_logits = self._feed_context(session, context)
+        fed = self._guess(session, context)
+        logits = self._feed_context(session, context, fed)
         num_context = len(session.cached_tokens)
+        logits_of = {ROOT: logits[0]} | {n: logits[1 + n] for n in range(len(fed))}
+        fed_child = {(p, t): n for n, (p, t) in enumerate(zip(fed.parent, fed.token_ids))}
+        fed_node = {ROOT: ROOT}  # the builder's nodes -> fed_tree's
 
         def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
-            new = [n for n in nodes if n != ROOT]
+            new = []
+            for node in nodes:
+                if node == ROOT:
+                    continue
+                key = (fed_node[tree.parent[node]], tree.token_ids[node])
+                if key not in fed_child:  # not guessed by the second stage: fed now
+                    fed_child[key] = fed.add(key[1], key[0])
+                    new.append(fed_child[key])
+                fed_node[node] = fed_child[key]
             if new:
-                positions, mask = node_inputs(tree, session.fed_nodes, new, num_context)
-                logits = self._forward(
-                    session,
-                    [tree.token_ids[n] for n in new],
-                    len(new),
-                    position_ids=positions,
-                    attention_mask=mask,
-                )
-                session.fed_nodes += new
-            # The tree being built, whose numbering fed_nodes uses (a pruning builder
-            # returns a renumbered subtree of it).
-            session.last_draft = tree
-            rows = {n: i for i, n in enumerate(new)}
-            return [self._next_token(root_logits if n == ROOT else logits[rows[n]], session.sampling) for n in nodes]
+                path = [fed.token_ids[n] for n in fed.path_to(new[0])]
+                guess = self._guess(session, context + path)
+                where = {ROOT: new[0]}
+                for n, (parent, token) in enumerate(zip(guess.parent, guess.token_ids)):
+                    where[n] = fed_child[where[parent], token] = fed.add(token, where[parent])
+                    new.append(where[n])
+                positions, mask = node_inputs(fed, list(range(new[0])), new, num_context)
+                out = self._forward(session, [fed.token_ids[n] for n in new], len(new), position_ids=positions, attention_mask=mask)
+                logits_of.update(zip(new, out))
+            return [self._next_token(logits_of[fed_node[n]], session.sampling) for n in nodes]
 
         generator = None if session.sampling.greedy else session.generator
         return builder_for(shape).build(expand, budget, generator)

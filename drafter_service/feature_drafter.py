@@ -17,7 +17,6 @@ from drafter_service.tree_builders import NextToken, builder_for
 from specdec.core.engine import quantize_linears
 from specdec.core.feature_head import (
     feature_fingerprint,
-    is_feature_head,
     load_feature_head,
 )
 from specdec.core.kv_cache import KVCache
@@ -81,6 +80,7 @@ class FeatureDrafter(DrafterEngine):
         start, count = cache.length, len(tokens)
         cache.reserve(start + count)
         past_keys, past_values = cache.keys[:, :, :start], cache.values[:, :, :start]
+        session.forward_passes += 1
         outputs, keys, values = self.head(torch.tensor([tokens]), features[None], positions, past_keys, past_values, mask)
         cache.keys[0, :, start : start + count] = keys[0]
         cache.values[0, :, start : start + count] = values[0]
@@ -118,7 +118,7 @@ class FeatureDrafter(DrafterEngine):
 
     def _feed_context(self, session: FeatureSession, context: list[int]) -> torch.Tensor:
         """Brings the cache up to `context` (committed tokens, then assumed ones each read with
-        the head's output before it); returns the logits of the token that follows."""
+        the head's output before it); returns the logits of the token that follows (one row)."""
         self._feed_committed(session)
         n = len(session.tokens)
         extra = context[n:]
@@ -134,10 +134,10 @@ class FeatureDrafter(DrafterEngine):
             session.extra.append(token)
             session.extra_outputs.append(output)
         last = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
-        return self._logits(last[None])[0]
+        return self._logits(last[None])
 
     def _draft_tree(self, session: FeatureSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
-        root_logits = self._feed_context(session, context)
+        root_logits = self._feed_context(session, context)[0]
         root_output = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
         num_context = session.cache.length
         fed: list[int] = []
@@ -159,7 +159,3 @@ class FeatureDrafter(DrafterEngine):
         generator = None if session.sampling.greedy else session.generator
         return builder_for(shape).build(expand, budget, generator)
 
-
-def drafter_for(spec: ModelSpec, *args, **options) -> DrafterEngine:
-    """A feature head when the model source is one, else the model drafter."""
-    return (FeatureDrafter if is_feature_head(spec.source) else DrafterEngine)(spec, *args, **options)

@@ -6,11 +6,11 @@ import time
 import grpc
 
 from drafter_service.drafter import DrafterEngine
-from drafter_service.feature_drafter import drafter_for
+from drafter_service.engines import drafter_for
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
-from specdec.serving.rpc import invalid, reports_errors, start_server
+from specdec.serving.rpc import InProcessClient, invalid, reports_errors, start_server
 from specdec.serving.wire import (
     DRAFTER_SERVICE,
     model_info,
@@ -62,7 +62,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 features = request.features_start, rows_from_tensor(request.features, self.engine.feature_size)
             except SteeringError as err:
                 raise invalid(str(err)) from None
-        tree, assumed, compute_ms, steering_ms = self.compute.run(
+        draft = self.compute.run(
             self.engine.draft,
             request.session_id,
             session,
@@ -76,29 +76,40 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             list(request.pick_excludes),
         )
         return drafter_pb2.DraftResponse(
-            tree=tree_to_proto(tree),
-            assumed_token_ids=assumed,
-            compute_ms=compute_ms,
+            tree=tree_to_proto(draft.tree),
+            assumed_token_ids=draft.assumed,
+            compute_ms=draft.compute_ms,
             handler_ms=(time.perf_counter() - start) * 1e3,
-            steering_ms=steering_ms,
+            steering_ms=draft.steering_ms,
+            forward_passes=draft.forward_passes,
         )
 
     @reports_errors
     def EndSession(self, request, context):
-        return common_pb2.EndSessionResponse(existed=self.engine.sessions.pop(request.session_id))
+        return common_pb2.EndSessionResponse(existed=self.engine.end_session(request.session_id))
 
+
+
+def _servicer(config, steering_checkpoint: str | None) -> DrafterServicer:
+    compute = ComputeThread()
+    compute.run(set_torch_threads, config.torch_threads)
+    engine = compute.run(
+        drafter_for,
+        config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s, steering_checkpoint=steering_checkpoint,
+        ngram=config.ngram, staged_lookahead=config.staged_lookahead,
+    )
+    return DrafterServicer(engine, compute)
+
+
+def in_process(config) -> InProcessClient:
+    """The drafter inside the caller's process (the coordinator's, for a model-free drafter)."""
+    return InProcessClient(_servicer(config, None), config.model.source)
 
 
 def start(config, steering_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering checkpoint) and starts serving it;
     returns (grpc server, bound port)."""
-    compute = ComputeThread()
-    compute.run(set_torch_threads, config.torch_threads)
-    engine = compute.run(
-        drafter_for,
-        config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s, steering_checkpoint=steering_checkpoint
-    )
-    servicer = DrafterServicer(engine, compute)
+    servicer = _servicer(config, steering_checkpoint)
     server, bound, _ = start_server(
         lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
         config.host,

@@ -185,3 +185,23 @@ def test_engine_applies_sd2_deltas_as_the_hooks_do(tiny_model):
     (hooked, hooked_plain), (fused, fused_plain) = results
     assert torch.allclose(hooked, fused, atol=1e-5) and torch.allclose(hooked_plain, fused_plain, atol=1e-5)
     assert not torch.allclose(hooked, hooked_plain, atol=1e-3)
+
+
+def test_a_reopened_int8_session_decodes_on_exactly_as_before(tiny_dirs):
+    """The prompt (but its last token) is prefilled with float32 attention kernels, whose
+    results depend on the pass; a session re-opened with prompt + output must prefill the same
+    prefix and feed the output as decoding did, or its next tokens could differ."""
+    from specdec.core.models import ModelSpec
+    from specdec.core.sampling import Sampling
+    from specdec.core.tree import DraftTree
+    from verifier_service.verifier import VerifierEngine
+
+    verifier = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8"))
+    prompt, greedy = [1, 5, 9, 4, 7, 3, 8, 2, 6], Sampling(0.0, 1.0, 0, 0)
+    session = verifier.open_session("a", prompt, greedy)
+    tokens = [t for round_number in range(1, 5) for t in verifier.verify(session, round_number, DraftTree(), 5).token_ids]
+    reopened = verifier.open_session("b", prompt + tokens[:10], greedy, prompt_length=len(prompt))
+    later = [t for round_number in range(1, 3) for t in verifier.verify(reopened, round_number, DraftTree(), 5).token_ids]
+    assert later == tokens[10:20]
+    with pytest.raises(Exception, match="prompt_length 99 exceeds"):
+        verifier.open_session("c", prompt, greedy, prompt_length=99)

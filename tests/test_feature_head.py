@@ -63,7 +63,7 @@ def test_training_time_test_computes_what_a_live_draft_computes(head_dir):
     context = [1, 4, 7, 3, 9, 5]
     features = torch.randn(len(context) + 3, head.hidden_size)
     session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
-    tree, _, _, _ = drafter.draft("s", session, [], len(context), 3, TreeShape("chain"), features=(0, features[: len(context) - 1]))
+    tree = drafter.draft("s", session, [], len(context), 3, TreeShape("chain"), features=(0, features[: len(context) - 1])).tree
     chain = tree.token_ids
     assert tree.parent == [-1, 0, 1]
     sequence = torch.tensor([context + chain])
@@ -259,7 +259,7 @@ def test_an_int8_head_drafts_like_the_float32_head(head_dir):
     for dtype in ("float32", "int8"):
         drafter = FeatureDrafter(ModelSpec(str(head_dir), dtype=dtype))
         session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
-        tree, _, _, _ = drafter.draft("s", session, [], len(context), 6, TreeShape("dynamic", width=2), features=features)
+        tree = drafter.draft("s", session, [], len(context), 6, TreeShape("dynamic", width=2), features=features).tree
         chains.append(tree)
     assert len(chains[1]) == 6 and chains[1].token_ids[0] == chains[0].token_ids[0]
     with pytest.raises(ValueError, match="float32 or int8"):

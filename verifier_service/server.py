@@ -33,7 +33,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise invalid("session_id is empty")
         if request.HasField("start"):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
-            session = self.compute.run(self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling)
+            session = self.compute.run(
+                self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling, request.start.prompt_length
+            )
         else:
             session = self.engine.sessions.get(request.session_id)
         tree = tree_from_proto(request.tree)
@@ -55,7 +57,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @reports_errors
     def EndSession(self, request, context):
-        return common_pb2.EndSessionResponse(existed=self.engine.sessions.pop(request.session_id))
+        return common_pb2.EndSessionResponse(existed=self.engine.sessions.pop(request.session_id) is not None)
 
 
 

@@ -57,6 +57,7 @@ class VerifierSession:
     last_round: int = 0
     last_result: RoundResult | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    prompt_length: int = 0  # the leading tokens that were the request's prompt
 
     @property
     def num_cached(self) -> int:
@@ -89,10 +90,12 @@ class VerifierEngine:
             self.fuse, self.feature_fingerprint = load_feature_fuse(feature_checkpoint, self.model), feature_fingerprint(feature_checkpoint)
         self.feature_size = self.model.config.hidden_size if self.fuse else 0
 
-    def open_session(self, session_id: str, context: list[int], sampling: Sampling) -> VerifierSession:
+    def open_session(self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
+        if prompt_length > len(context):
+            raise invalid(f"start.prompt_length {prompt_length} exceeds the context's {len(context)} tokens")
         generator = torch.Generator().manual_seed(sampling.seed)
-        session = VerifierSession(list(context), sampling, generator, self.engine.new_cache())
+        session = VerifierSession(list(context), sampling, generator, self.engine.new_cache(), prompt_length=prompt_length or len(context))
         self.sessions.put(session_id, session)
         return session
 
@@ -159,7 +162,8 @@ class VerifierEngine:
         """The new tokens, and (with `hidden`) every layer's hidden states at the positions read,
         all of which are committed."""
         new: list[int] = []
-        read = []
+        prefilled = self._prefill(session, hidden)
+        read = [tuple(h[0] for h in prefilled)] if prefilled else []
         pending = session.tokens[session.num_cached :]
         for _ in range(max_tokens):
             logits, states = self._forward(session, pending, 1, hidden)
@@ -175,6 +179,7 @@ class VerifierEngine:
     def _verify_tree(self, session: VerifierSession, tree: DraftTree, hidden: bool) -> tuple[list[int], tuple | None]:
         """The new tokens, and (with `hidden`) every layer's hidden states at the positions
         committed: the pending tokens and the accepted path; the last one gave the new token."""
+        prefilled = self._prefill(session, hidden)
         num_cached = session.num_cached
         pending = session.tokens[num_cached:]
         positions, mask = verification_inputs(tree, num_cached, len(pending))
@@ -194,7 +199,19 @@ class VerifierEngine:
         session.cache.keep_positions(committed_len, [committed_len + node for node in path])
         committed = list(range(len(pending))) + [len(pending) + node for node in path]
         read = None if states is None else tuple(h[0, committed] for h in states)
+        if prefilled:
+            read = tuple(torch.cat([before[0], after]) for before, after in zip(prefilled, read))
         return [tree.token_ids[node] for node in path] + [next_token], read
+
+    def _prefill(self, session: VerifierSession, hidden: bool) -> tuple | None:
+        """Feeds the prompt but its last token into a new session's cache in one fast pass (the
+        same pass whichever way the session decodes); returns that pass's hidden states when
+        asked for, else None."""
+        count = session.prompt_length - 1
+        if session.num_cached or count < 1:
+            return None
+        _, states = self.engine(session.cache, session.tokens[:count], 1, hidden_states=hidden, prefill=True)
+        return states
 
 
 def _at(hidden_states: tuple, position: int) -> tuple:

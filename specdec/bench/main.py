@@ -2,7 +2,8 @@
 
 Methods: verifier-only decoding through the services (`autoregressive`), speculative
 decoding through the services (`speculative`, one row per tree method and budget), Hugging Face assisted
-generation with the same pair and weights in-process (`hf_assisted`), plain `generate()` of the
+generation with the same pair and weights in-process (`hf_assisted`; `hf_prompt_lookup` beside n-gram
+drafters), plain `generate()` of the
 served verifier's weights (`hf_generate`) and of its float32 weights (`hf_generate_fp32`, what a user
 would otherwise run). Methods interleave on each prompt; every ratio comes with a paired 95%
 bootstrap interval over prompts. Writes JSON and a plot, prints a table.
@@ -20,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.bench.stats import paired_ratio_interval
+from specdec.core.ngram import is_model_free
 from specdec.core.prompts import (
     PACKAGED_PROMPTS,
     chat_ids,
@@ -28,6 +30,9 @@ from specdec.core.prompts import (
 )
 from specdec.core.tree import TREE_METHODS, TreeShape
 from specdec.serving.cli_args import add_tree_arguments, tree_overrides
+
+HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
+STAGED_LOOKAHEAD = 4  # the `staged` drafter's n-gram guesses, unless the config sets its own
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +50,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trees", default="chain", help=f"comma-separated tree methods for `speculative` ({', '.join(TREE_METHODS)})")
     parser.add_argument(
         "--drafters",
-        help="comma-separated drafters compared side by side, each in its own stack (default: the config's); "
-        "NAME:unsteered runs a steered drafter without its steering",
+        help="comma-separated drafters compared side by side, each in its own stack (default: the config's): a model "
+        "name or directory, 'model' (the config's drafter), 'prompt-lookup' or 'suffix' (no model), 'hybrid' (the config's "
+        "drafter with n-gram candidates: its drafter.ngram.method, else suffix), 'staged' (the config's drafter drafting "
+        "with an n-gram second stage); NAME:unsteered runs a steered drafter "
+        "without its steering. With an n-gram drafter the run adds an `hf_prompt_lookup` row",
     )
     parser.add_argument("--hf-assistant", help="the drafter of `hf_assisted` (default: the config's drafter, or the built-in distilled drafter where that one is a feature head)")
     add_tree_arguments(parser, with_method=False)
@@ -82,6 +90,7 @@ class Tally:
     seconds: list[float] = field(default_factory=list)
     accepted: int = 0
     speculative_rounds: int = 0
+    draft_forward_passes: int = 0
     wire_ms: float = 0.0
     total_ms: float = 0.0
     rounds: int = 0
@@ -97,7 +106,8 @@ class Tally:
         stats = response.stats
         self.add(response.token_ids, seconds)
         self.accepted += stats.accepted_draft_tokens
-        self.speculative_rounds += stats.rounds if stats.drafted_tokens else 0
+        self.speculative_rounds += stats.speculative_rounds
+        self.draft_forward_passes += stats.draft_forward_passes
         self.rounds += stats.rounds
         self.wire_ms += stats.wire_serialization_ms
         self.total_ms += stats.total_ms
@@ -191,7 +201,7 @@ def run_bench(args) -> int:
         raise SystemExit("--drafters with several drafters starts its own stacks; leave out --address")
     clients = {}
     for j, source in enumerate(sources):  # one stack per drafter, side by side
-        stack_args = {**app_args, "coordinator": {"port": args.port + j}, "drafter": {"model": {"source": source}}}
+        stack_args = {**app_args, "coordinator": {"port": args.port + j}, "drafter": _drafter_args(source, config)}
         if args.address:
             address = args.address
         elif j == 0:
@@ -220,7 +230,7 @@ def run_bench(args) -> int:
         response = clients[source].generate(request)
         return response, time.perf_counter() - start
 
-    def in_process(i: int, model, assisted: bool, temperature: float):
+    def in_process(i: int, model, assisted: bool, temperature: float, prompt_lookup: bool = False):
         torch.manual_seed(args.seed + i)
         inputs = torch.tensor([prompt_ids[i]])
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
@@ -231,6 +241,7 @@ def run_bench(args) -> int:
                 attention_mask=torch.ones_like(inputs),
                 max_new_tokens=args.max_new_tokens,
                 assistant_model=drafter if assisted else None,
+                **({"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS} if prompt_lookup else {}),
                 pad_token_id=tokenizer.eos_token_id,
                 **sampling,
             )
@@ -247,6 +258,8 @@ def run_bench(args) -> int:
         for tree in trees
         for b in budgets
     ]
+    if any(is_model_free(s) or s == "hybrid" for s in sources):
+        methods.append(("hf_prompt_lookup", "hf_prompt_lookup", None, None, None, lambda i, t: in_process(i, verifier, False, t, prompt_lookup=True)))
     methods += [
         ("hf_assisted", "hf_assisted", assistant, None, None, lambda i, t: in_process(i, verifier, True, t)),
         ("hf_generate", "hf_generate", None, None, None, lambda i, t: in_process(i, verifier, False, t)),
@@ -279,6 +292,7 @@ def run_bench(args) -> int:
                     "tokens_per_second": tally.tokens_per_second,
                     "mean_accepted_per_round": tally.accepted / tally.speculative_rounds if tally.speculative_rounds else None,
                     "tokens_per_verify_call": sum(tally.tokens) / tally.rounds if tally.rounds else None,
+                    "draft_forwards_per_round": tally.draft_forward_passes / tally.speculative_rounds if tally.speculative_rounds else None,
                     "vs_autoregressive": tally.ratio_to(alone),
                     "vs_hf_assisted": tally.ratio_to(tallies["hf_assisted"]),
                     "vs_hf_generate_fp32": tally.ratio_to(tallies["hf_generate_fp32"]),
@@ -333,6 +347,16 @@ def run_bench(args) -> int:
     return 0
 
 
+def _drafter_args(entry: str, config) -> dict:
+    """The drafter section of the stack that benchmarks one --drafters entry."""
+    own = entry in ("model", "hybrid", "staged")
+    return {
+        "model": dataclasses.asdict(config.drafter.model) if own else {"source": entry},
+        "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else ""},
+        "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
+    }
+
+
 def _hf_assistant(drafter: str) -> str:
     """transformers runs causal LMs only: a feature head's place goes to the built-in distilled drafter."""
     from specdec.core.feature_head import is_feature_head
@@ -350,14 +374,15 @@ def format_table(results: list[dict]) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [
-        "| method | drafter | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | accepted/round | bytes/round | wire share | greedy = verifier alone |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | drafter | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | accepted/round | tokens/verify call | draft forwards/round | bytes/round | wire share | greedy = verifier alone |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['method']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
             f"{_ratio(r['vs_autoregressive'])} | {_ratio(r['vs_hf_assisted'])} | {_ratio(r['vs_hf_generate_fp32'])} | "
-            f"{fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
+            f"{fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['tokens_per_verify_call'], '.2f')} | "
+            f"{fmt(r.get('draft_forwards_per_round'), '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
             f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_verifier_alone'), '.0%')} |"
         )
     return "\n".join(lines)

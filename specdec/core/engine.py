@@ -163,7 +163,10 @@ class LlamaEngine(torch.nn.Module):
         return config.model_type in LlamaEngine.SUPPORTED and getattr(config, "hidden_act", "silu") == "silu" and not windowed
 
     def new_cache(self) -> KVCache:
-        return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        # Keys and values are kept in the float64 that attention reads them in, converted once
+        # when written rather than at every step (on a 900-token context the conversions took
+        # most of a one-token step). The values are the same either way.
+        return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, torch.float64, self.device)
 
     def forward(
         self,
@@ -173,11 +176,17 @@ class LlamaEngine(torch.nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         hidden_states: bool = False,
+        prefill: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Feeds `input_ids` after the cached tokens: (logits of the last `num_logits` positions,
         float32; the residual stream after each layer as transformers' output_hidden_states
-        gives it, or None). Without a mask every token sees the cache and the tokens before it."""
+        gives it, or None). Without a mask every token sees the cache and the tokens before it.
+        `prefill` (an empty cache, no mask) runs float32 attention kernels: many times faster on
+        long prompts, but a token's result then depends on the pass, so only a prefix that every
+        way of decoding feeds in the same single pass may take it (a session's prompt)."""
         start, count = cache.length, len(input_ids)
+        if prefill and (start or attention_mask is not None or position_ids is not None):
+            raise ValueError("prefill feeds a prompt into an empty cache, causally")
         cache.reserve(start + count)
         if position_ids is None:
             position_ids = torch.arange(start, start + count)[None]
@@ -186,7 +195,7 @@ class LlamaEngine(torch.nn.Module):
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[:, None], sin[:, None]
         mask = None if attention_mask is None else attention_mask.to(self.device)
-        if mask is None and count > 1:
+        if mask is None and count > 1 and not prefill:
             mask = torch.ones(count, start + count, dtype=torch.bool, device=self.device).tril(start)[None, None]
         keep = [x] if hidden_states else None
         for index, block in enumerate(self.layers):
@@ -196,7 +205,12 @@ class LlamaEngine(torch.nn.Module):
             k = _rotate(k.view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
             cache.keys[index, :, start : start + count] = k[0]
             cache.values[index, :, start : start + count] = v.view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
-            attended = _attention(q, cache.keys[index, :, : start + count], cache.values[index, :, : start + count], mask).to(x.dtype)
+            if prefill:
+                attended = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v.view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2), is_causal=True, enable_gqa=True
+                )
+            else:
+                attended = _attention(q, cache.keys[index, :, : start + count], cache.values[index, :, : start + count], mask).to(x.dtype)
             x = x + block.o(attended.transpose(1, 2).reshape(1, count, self.q_size))
             gate, up = block.gate_up(block.post_norm(x)).split(self.intermediate, dim=-1)
             delta = self.up_delta(index) if self.up_delta is not None else None
@@ -251,6 +265,7 @@ class TransformersEngine:
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         hidden_states: bool = False,
+        prefill: bool = False,  # transformers' forward is its own prefill
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         device = self.model.device
         out = self.model(

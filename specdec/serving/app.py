@@ -23,7 +23,7 @@ def build_config(args: dict | None) -> Config:
 def build_app(args: dict | None = None) -> Application:
     config = build_config(args)
     as_dict = config_to_dict(config)
-    drafter = DrafterDeployment.options(ray_actor_options=config.drafter.ray_actor_options).bind(as_dict)
+    drafter = None if config.coordinator.drafter_in_process else DrafterDeployment.options(ray_actor_options=config.drafter.ray_actor_options).bind(as_dict)
     verifier = VerifierDeployment.options(ray_actor_options=config.verifier.ray_actor_options).bind(as_dict)
     return CoordinatorDeployment.options(ray_actor_options=config.coordinator.ray_actor_options).bind(
         as_dict, drafter, verifier

@@ -15,6 +15,7 @@ from specdec.core.engine import WEIGHT_FORMATS
 from specdec.core.feature_head import is_feature_head
 from specdec.core.hub import BUILTIN_DRAFTER, BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec
+from specdec.core.ngram import NgramSettings, is_model_free
 from specdec.core.steering import is_steering_checkpoint_for
 from specdec.core.tree import MAX_DRAFT_NODES, TREE_METHODS, TreeShape
 from specdec.serving.latency_proxy import LinkSettings
@@ -38,6 +39,12 @@ class ServiceConfig:
 @dataclass
 class DrafterConfig(ServiceConfig):
     proposal_top_k: int = 32  # support size of the sparse proposal sent with sampled drafts
+    # model: prompt-lookup or suffix drafts without a model; with a model, ngram.method adds
+    # n-gram candidates to its drafts (hybrid).
+    ngram: NgramSettings = field(default_factory=NgramSettings)
+    # Staged speculation: an n-gram second stage guesses this many tokens of the drafter's own
+    # draft, checked in the forwards it runs anyway (fewer forwards, the same draft); 0 = off.
+    staged_lookahead: int = 0
 
 
 @dataclass
@@ -79,6 +86,9 @@ class CoordinatorConfig:
     # coordinator asks the deployments.
     drafter_address: str | None = None
     verifier_address: str | None = None
+    # A drafter without a model (prompt-lookup, suffix) runs inside the coordinator: no drafter
+    # service and no drafter round trip per round.
+    drafter_in_process: bool = False
     network: NetworkConfig = field(default_factory=NetworkConfig)
     overlap: bool = False  # draft the next round while the verifier checks this one (PEARL)
     steering: bool = True  # SD²: requests steer the drafter by default whenever the pair has a steering checkpoint
@@ -147,6 +157,17 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        drafter = self.drafter.model.source
+        if self.drafter.staged_lookahead and (is_model_free(drafter) or is_feature_head(drafter)):
+            raise ConfigError("drafter.staged_lookahead speeds up a drafter model's own drafting; this drafter has none (n-gram) or is a feature head")
+        if not 0 <= self.drafter.staged_lookahead <= MAX_DRAFT_NODES:
+            raise ConfigError(f"drafter.staged_lookahead must be in [0, {MAX_DRAFT_NODES}]")
+        if self.coordinator.drafter_in_process and not is_model_free(drafter):
+            raise ConfigError("coordinator.drafter_in_process needs a drafter without a model: drafter.model prompt-lookup or suffix")
+        try:
+            self.drafter.ngram.validate(model_free=is_model_free(self.drafter.model.source))
+        except ValueError as err:
+            raise ConfigError(f"drafter.ngram.{err}") from None
         try:
             self.coordinator.tree.validate()
         except ValueError as err:

@@ -43,9 +43,10 @@ class SessionStore(Generic[State]):
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
-    def pop(self, session_id: str) -> bool:
+    def pop(self, session_id: str) -> State | None:
         with self._lock:
-            return self._items.pop(session_id, None) is not None
+            item = self._items.pop(session_id, None)
+            return item[0] if item else None
 
     def _expire(self) -> None:
         now = time.monotonic()

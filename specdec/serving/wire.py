@@ -42,15 +42,17 @@ def sampling_from_proto(message: common_pb2.SamplingParams, field_prefix: str = 
 
 
 def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
-    config = engine.model.config
+    """What a service runs. A drafter without a model (n-gram) reports no tokenizer, vocabulary
+    or context limit: it takes any verifier's token ids."""
+    config = engine.model.config if engine.model is not None else None
     return common_pb2.ModelInfo(
         model=model_name,
-        vocab_size=engine.vocab_size,
+        vocab_size=engine.vocab_size if config else 0,
         tokenizer_fingerprint=engine.fingerprint,
         eos_token_ids=sorted(engine.eos_ids),
-        max_context=engine.max_context,
-        hidden_size=config.hidden_size,
-        num_layers=config.num_hidden_layers,
+        max_context=engine.max_context if config else 0,
+        hidden_size=config.hidden_size if config else 0,
+        num_layers=config.num_hidden_layers if config else 0,
         steering_size=engine.steering_size,
         steering_fingerprint=engine.steering_fingerprint,
         feature_size=engine.feature_size,

@@ -103,9 +103,11 @@ class EndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class SessionStart(_message.Message):
-    __slots__ = ("context_token_ids", "sampling")
+    __slots__ = ("context_token_ids", "sampling", "prompt_length")
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, context_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    prompt_length: int
+    def __init__(self, context_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...

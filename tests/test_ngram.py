@@ -1,0 +1,204 @@
+"""Drafting without a model: prompt lookup and suffix decoding (pure), the n-gram drafter
+service with no model, and hybrid drafts (model + n-gram) — exact through the services."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.core.models import hf_greedy
+from specdec.core.ngram import (
+    NgramIndex,
+    NgramProposer,
+    NgramSettings,
+    RecentOutputs,
+    continuation_tree,
+    merge_trees,
+)
+from specdec.core.tree import ROOT, DraftTree
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.config import ConfigError, config_from_dict
+from tests.conftest import local_stack, tiny_config
+from tests.test_services import sampled_first_two_tokens
+
+
+def paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Every root-to-node token path of the tree."""
+    return {tuple(tree.token_ids[n] for n in tree.path_to(node)) for node in range(len(tree))}
+
+
+def test_index_finds_earlier_occurrences_with_a_continuation():
+    index = NgramIndex(3, [5, 6, 7, 5, 6, 8, 5, 6])
+    assert index.continued((5, 6)) == [4, 1]  # latest first; the final (5, 6) has no continuation
+    assert index.continuation(4, 3) == [8, 5, 6]
+    index.extend([9])
+    assert index.continued((5, 6)) == [7, 4, 1]
+
+
+def test_prompt_lookup_follows_the_latest_longest_match():
+    proposer = NgramProposer("prompt-lookup", NgramSettings(max_ngram=3, min_ngram=1))
+    context = [1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3]
+    tree = proposer.propose(proposer.new_index(context), context, budget=3)
+    # (1, 2, 3) occurs once before: its continuation wins over the later (2, 3) -> 5.
+    assert tree.token_ids == [4, 9, 2] and tree.parent == [ROOT, 0, 1]
+    assert proposer.propose(proposer.new_index(context), context, budget=5, max_depth=2).token_ids == [4, 9]
+
+
+def test_no_match_below_min_ngram_drafts_nothing():
+    proposer = NgramProposer("prompt-lookup", NgramSettings(min_ngram=2))
+    context = [1, 2, 3, 1]  # only the 1-gram (1) repeats
+    assert len(proposer.propose(proposer.new_index(context), context, budget=4)) == 0
+    loose = NgramProposer("prompt-lookup", NgramSettings(min_ngram=1))
+    assert loose.propose(loose.new_index(context), context, budget=2).token_ids == [2, 3]
+
+
+def test_suffix_tree_is_scored_by_how_often_each_continuation_occurred():
+    tree = continuation_tree([[7, 8], [7, 9], [7, 8], [4]], budget=3, min_share=0.0)
+    assert paths(tree) == {(7,), (7, 8), (7, 9)}  # (4,) occurred once, as (7, 9) did: the earlier wins
+    assert paths(continuation_tree([[7, 8], [7, 9], [7, 8], [4]], budget=10, min_share=0.5)) == {(7,), (7, 8)}
+
+
+def test_suffix_draft_depth_follows_the_match_length():
+    proposer = NgramProposer("suffix", NgramSettings(max_ngram=4, min_ngram=1, length_factor=1.0, min_share=0.0))
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 0, 3]  # matched length 1 -> depth 1
+    assert paths(proposer.propose(proposer.new_index(context), context, budget=8)) == {(4,)}
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 0, 2, 3]  # matched length 2 -> depth 2
+    assert paths(proposer.propose(proposer.new_index(context), context, budget=8)) == {(4,), (4, 5)}
+
+
+def test_suffix_drafts_from_other_requests_outputs_and_forgets_the_oldest():
+    proposer = NgramProposer("suffix", NgramSettings(min_ngram=2, recent_output_tokens=8, min_share=0.0))
+    context = [40, 41]
+    assert len(proposer.propose(proposer.new_index(context), context, budget=4)) == 0
+    proposer.finished([40, 41, 42, 43])
+    assert paths(proposer.propose(proposer.new_index(context), context, budget=4)) >= {(42,), (42, 43)}
+    proposer.finished([1, 2, 3, 4, 5])  # 9 tokens held > 8: the first output goes
+    assert len(proposer.recent) == 5
+    assert len(proposer.propose(proposer.new_index(context), context, budget=4)) == 0
+
+
+def test_recent_outputs_keep_at_most_their_token_budget():
+    recent = RecentOutputs(max_tokens=10, max_n=2)
+    for start in range(0, 100, 7):
+        recent.add(list(range(start, start + 7)))
+    assert len(recent) <= 10 and len(recent.snapshot()) == 1
+
+
+def test_merge_keeps_the_first_tree_and_adds_the_paths_it_lacks():
+    ngram = DraftTree([5, 6, 7], [ROOT, 0, 1])
+    model = DraftTree([5, 9, 8], [ROOT, 0, ROOT])
+    merged = merge_trees(ngram, model, budget=5)
+    assert paths(merged) == {(5,), (5, 6), (5, 6, 7), (5, 9), (8,)}
+    assert len(merge_trees(ngram, model, budget=4)) == 4
+
+
+def test_ngram_settings_are_validated_with_the_key_named(tiny_dirs):
+    with pytest.raises(ConfigError, match="drafter.ngram.method"):
+        config_from_dict({"drafter": {"ngram": {"method": "bigram"}}})
+    with pytest.raises(ConfigError, match="min_ngram"):
+        config_from_dict({"drafter": {"ngram": {"min_ngram": 5, "max_ngram": 3}}})
+    with pytest.raises(ConfigError, match="drafter.ngram.method is for a model drafter"):
+        config_from_dict({"drafter": {"model": "suffix", "ngram": {"method": "suffix"}}})
+    with pytest.raises(ConfigError, match="drafter_in_process needs a drafter without a model"):
+        config_from_dict({"coordinator": {"drafter_in_process": True}})
+
+
+def ngram_config(tiny_dirs, drafter: str, verifier: str = "verifier", **ngram) -> dict:
+    config = tiny_config(tiny_dirs, num_draft_tokens=4)
+    config["verifier"]["model"] = str(tiny_dirs[verifier])
+    if drafter in ("prompt-lookup", "suffix"):
+        config["drafter"] = {"model": drafter, "ngram": {"min_ngram": 1, **ngram}}
+    else:
+        config["drafter"]["ngram"] = {"method": drafter.split("+")[1], "min_ngram": 1, **ngram}
+    return config
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "suffix", "model+suffix"])
+def test_greedy_through_ngram_drafters_equals_generate(tiny_dirs, tiny_verifier, drafter):
+    prompts = [[1, 5, 9, 4, 1, 5], [3, 3, 7], [11, 4, 8, 12, 6, 11, 4, 8]]
+    with local_stack(ngram_config(tiny_dirs, drafter)) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        accepted = 0
+        for ids in prompts * 2:  # the second pass also drafts from the first pass's outputs (suffix)
+            response = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=40))
+            assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40), ids
+            accepted += response.stats.accepted_draft_tokens
+        client.close()
+    assert accepted > 0  # random tiny models repeat themselves: n-grams find it
+
+
+def test_a_model_free_drafter_pairs_with_any_tokenizer(tiny_dirs):
+    """The n-gram drafter has no tokenizer, so a verifier with other words is fine."""
+    from specdec.core.models import ModelSpec, load_model
+
+    verifier = load_model(ModelSpec(str(tiny_dirs["other_words"])))
+    with local_stack(ngram_config(tiny_dirs, "prompt-lookup", verifier="other_words")) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        ids = [4, 5, 6, 4, 5]
+        response = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=30))
+        client.close()
+    assert list(response.token_ids) == hf_greedy(verifier, ids, 30)
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "model+prompt-lookup"])
+def test_sampling_with_ngram_drafts_follows_the_verifier_distribution(tiny_dirs, tiny_verifier, drafter):
+    # (1, 5) repeats, so every request's first round drafts 9 as a point-mass proposal.
+    with local_stack(ngram_config(tiny_dirs, drafter)) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        stats = client.generate(generate_request(prompt_token_ids=[1, 5, 9, 1, 5], max_new_tokens=2, temperature=0.9)).stats
+        client.close()
+        assert stats.drafted_tokens == 1
+        sampled_first_two_tokens(stack, tiny_verifier, draws=2000, prompt=(1, 5, 9, 1, 5))
+
+
+def test_a_model_free_drafter_runs_inside_the_coordinator(tiny_dirs, tiny_verifier):
+    import coordinator.server
+    import verifier_service.server
+
+    config = config_from_dict({**ngram_config(tiny_dirs, "suffix"), "coordinator": {"port": 0, "drafter_in_process": True, "num_draft_tokens": 4}})
+    v_server, v_port = verifier_service.server.start(config.verifier)
+    c_server, c_port, coord = coordinator.server.start(config, None, f"localhost:{v_port}")
+    try:
+        client = CoordinatorClient(f"localhost:{c_port}")
+        ids = [11, 4, 8, 12, 6, 11, 4, 8]
+        response = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=40))
+        client.close()
+    finally:
+        c_server.stop(grace=None)
+        v_server.stop(grace=None)
+        coord.pair.close()
+    assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40)
+    assert response.stats.drafted_tokens > 0 and response.stats.draft_wire_ms < response.stats.verify_wire_ms
+
+
+@pytest.mark.parametrize("method", ["chain", "dynamic"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, method, temperature):
+    """Staged speculation: the n-gram stage guesses the drafter's own tokens; checked in the
+    forwards the drafter runs anyway, right guesses save forwards and change nothing."""
+    from drafter_service.drafter import DrafterEngine
+    from specdec.core.models import ModelSpec, load_model
+    from specdec.core.sampling import Sampling
+    from specdec.core.tree import TreeShape
+
+    spec = ModelSpec(str(tiny_dirs["drafter"]))
+    # The tiny drafter soon repeats itself: its own output is the context the n-grams learn from.
+    context = [1, 5, 9] + hf_greedy(load_model(spec), [1, 5, 9], 24)
+    plain = DrafterEngine(spec)
+    staged = DrafterEngine(spec, ngram=NgramSettings(min_ngram=1), staged_lookahead=4)
+    shape = TreeShape(method=method, width=2)
+    sampling = Sampling(temperature=temperature, seed=7)
+    for engine in (plain, staged):
+        engine.open_session("s", context, sampling, "")
+    forwards = {}
+    for engine in (plain, staged):
+        session, trees, forwards[engine] = engine.sessions.get("s"), [], 0
+        new = []
+        for _ in range(6):  # each round commits the draft's first two tokens
+            draft = engine.draft("s", session, new, len(session.tokens) + len(new), 6, shape)
+            trees.append((draft.tree.token_ids, draft.tree.parent))
+            forwards[engine] += draft.forward_passes
+            new = draft.tree.token_ids[:1] + draft.tree.token_ids[1:2] if draft.tree.parent[1:2] == [0] else draft.tree.token_ids[:1]
+        engine.trees = trees
+    assert staged.trees == plain.trees
+    # A chain's next node is the one the n-gram guessed; a dynamic tree's frontier also holds
+    # runners-up no chain guess covers, so it saves nothing.
+    assert forwards[staged] < forwards[plain] if method == "chain" else forwards[staged] == forwards[plain]
