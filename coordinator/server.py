@@ -93,6 +93,8 @@ class Coordinator:
             shape.validate()
         except ValueError as err:
             raise invalid(str(err)) from None
+        if shape.ngram == "none" and not self.pair.drafter_info.num_layers:
+            raise invalid("tree.ngram none asks for a drafter model's drafts; this drafter has no model (it drafts n-grams only)")
         adaptive = request.adaptive if request.HasField("adaptive") else self.config.adaptive.enabled
         overlap = request.overlap if request.HasField("overlap") else self.config.overlap
         if request.HasField("steering"):

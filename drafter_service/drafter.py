@@ -23,11 +23,18 @@ from specdec.core.models import (
     max_context,
     tokenizer_fingerprint,
 )
-from specdec.core.ngram import NgramIndex, NgramProposer, NgramSettings, merge_trees
+from specdec.core.ngram import (
+    NgramIndex,
+    NgramProposer,
+    NgramSettings,
+    OwnChoices,
+    merge_trees,
+)
 from specdec.core.sampling import Sampling, warp_probs
 from specdec.core.steering import load_drafter_steering
 from specdec.core.tree import (
     MAX_DRAFT_NODES,
+    NGRAM_METHODS,
     ROOT,
     DraftTree,
     Proposal,
@@ -51,7 +58,8 @@ class DrafterSession:
     fed_tree: DraftTree = field(default_factory=DraftTree)
     lock: threading.Lock = field(default_factory=threading.Lock)
     prompt_length: int = 0  # of tokens: the context it was opened with
-    ngram: NgramIndex | None = None  # the n-gram stages' index of the committed tokens
+    ngram: NgramIndex | None = None  # the n-gram index of the committed tokens
+    own: OwnChoices = field(default_factory=OwnChoices)  # staged speculation: its own drafts so far
     forward_passes: int = 0  # model forwards run for this session
 
 
@@ -87,12 +95,15 @@ class DrafterEngine:
         self._model_lock = threading.Lock()
         self.steering, self.steering_fingerprint = None, ""
         self.feature_size, self.feature_fingerprint = 0, ""  # a drafter that reads verifier features sets them
-        # Hybrid: n-gram candidates join the model's draft under the same node budget.
-        self.ngram = NgramProposer(ngram.method, ngram) if ngram and ngram.method else None
+        # n-gram candidates (per request, tree.ngram; by default drafter.ngram.method) join the
+        # model's draft under the same node budget: hybrid drafts.
+        settings = ngram or NgramSettings()
+        self.proposers = {method: NgramProposer(method, settings) for method in NGRAM_METHODS}
+        self.default_ngram = settings.method or "none"
         # Staged speculation: an n-gram stage guesses the drafter's next tokens, which it checks
         # in the forward it runs anyway; right guesses save forwards, the draft is unchanged.
         self.lookahead = staged_lookahead
-        self.stage2 = NgramProposer((ngram and ngram.method) or "prompt-lookup", ngram or NgramSettings()) if staged_lookahead else None
+        self.stage2 = self.proposers[settings.method or "prompt-lookup"] if staged_lookahead else None
         self._load(spec, steering_checkpoint)
 
     def _load_tokenizer(self, spec: ModelSpec) -> None:
@@ -126,16 +137,21 @@ class DrafterEngine:
     def _new_session(self, context: list[int], sampling: Sampling) -> DrafterSession:
         session = self.session_type(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self._new_cache())
         session.prompt_length = len(context)
-        if self.ngram or self.stage2:
-            session.ngram = (self.ngram or self.stage2).new_index(context)
+        session.ngram = NgramIndex(self.proposers["suffix"].settings.max_ngram, context)
         return session
 
     def end_session(self, session_id: str) -> bool:
         """Frees a session; an n-gram stage remembers its output for later requests."""
         session = self.sessions.pop(session_id)
-        if session is not None and self.ngram:
-            self.ngram.finished(session.tokens[session.prompt_length :])
+        if session is not None:
+            for proposer in self.proposers.values():
+                proposer.finished(session.tokens[session.prompt_length :])
         return session is not None
+
+    def _proposer(self, shape: TreeShape) -> NgramProposer | None:
+        """The n-gram proposer a request asked for (tree.ngram), else the default; None = none."""
+        method = shape.ngram or self.default_ngram
+        return None if method == "none" else self.proposers[method]
 
     def _new_cache(self) -> KVCache | TransformersCache:
         return self.engine.new_cache()
@@ -165,6 +181,7 @@ class DrafterEngine:
             shape.validate()
         except ValueError as err:
             raise invalid(f"tree_shape: {err}") from None
+        self._proposer(shape)  # refuses an n-gram choice this drafter cannot serve
         for name, ids in (("new_token_ids", new_tokens), ("assumed_token_ids", assumed), ("pick_excludes", pick_excludes)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -198,13 +215,14 @@ class DrafterEngine:
         with self._model_lock, torch.inference_mode(), self._steered(steering) as steering_ms:
             if pick:
                 context.append(self._pick_next(session, context, pick_excludes))
-            if self.ngram is None:
+            proposer = self._proposer(shape)
+            if proposer is None:
                 return self._draft_tree(session, context, shape, budget), steering_ms[0]
             # Greedy: the n-gram draft, then the model's nodes (at least one) fill the budget.
             # Sampling: a deterministic child cannot join children sampled from a proposal, so
             # where the context matched, the n-gram draft goes alone.
             greedy = session.sampling.greedy
-            candidates = self.ngram.propose(session.ngram, context, budget - 1 if greedy else budget, shape.max_depth)
+            candidates = proposer.propose(session.ngram, context, budget - 1 if greedy else budget, shape.max_depth)
             if not candidates:
                 return self._draft_tree(session, context, shape, budget), steering_ms[0]
             if not greedy:
@@ -274,8 +292,15 @@ class DrafterEngine:
         return int(logits.argmax())
 
     def _guess(self, session: DrafterSession, tail: list[int]) -> DraftTree:
-        """The second stage's guess of what the drafter drafts after `tail`."""
-        return self.stage2.propose(session.ngram, tail, self.lookahead, self.lookahead) if self.stage2 else DraftTree()
+        """The second stage's guess of what the drafter drafts after `tail`: what it drafted
+        before after the same tokens (Katz-style back-off from two tokens to one), else what
+        followed them in the context."""
+        if not self.stage2:
+            return DraftTree()
+        own = session.own.guess(tail, self.lookahead)
+        if not own:
+            return self.stage2.propose(session.ngram, tail, self.lookahead, self.lookahead)
+        return DraftTree(own, list(range(-1, len(own) - 1)))
 
     def _draft_tree(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
         fed = self._guess(session, context)
@@ -290,6 +315,9 @@ class DrafterEngine:
             for node in nodes:
                 if node == ROOT:
                     continue
+                if self.stage2:
+                    before = context[-2:] + [tree.token_ids[n] for n in tree.path_to(tree.parent[node])]
+                    session.own.record(before, tree.token_ids[node])
                 key = (fed_node[tree.parent[node]], tree.token_ids[node])
                 if key not in fed_child:  # not guessed by the second stage: fed now
                     fed_child[key] = fed.add(key[1], key[0])

@@ -7,17 +7,17 @@ import torch
 
 from drafter_service.drafter import DrafterEngine, DrafterSession
 from specdec.core.models import ModelSpec
-from specdec.core.ngram import NgramProposer, NgramSettings
+from specdec.core.ngram import NgramProposer
 from specdec.core.tree import DraftTree, TreeShape
+from specdec.serving.rpc import invalid
 
 ANY_TOKEN = 2**31 - 1  # token ids are checked by the verifier, which knows its vocabulary
 
 
 class NgramDrafter(DrafterEngine):
-    def __init__(self, spec: ModelSpec, *args, ngram: NgramSettings | None = None, **options):
-        settings = ngram or NgramSettings()
+    def __init__(self, spec: ModelSpec, *args, **options):
         super().__init__(spec, *args, **options)
-        self.ngram = NgramProposer(spec.source, settings)
+        self.default_ngram = spec.source
 
     def _load_tokenizer(self, spec: ModelSpec) -> None:
         self.tokenizer, self.vocab_size, self.fingerprint = None, ANY_TOKEN, ""
@@ -31,14 +31,21 @@ class NgramDrafter(DrafterEngine):
     def _new_cache(self) -> None:
         return None
 
+    def _proposer(self, shape: TreeShape) -> NgramProposer:
+        proposer = super()._proposer(shape)
+        if proposer is None:
+            raise invalid("tree.ngram none asks for a drafter model's drafts; this drafter has no model (it drafts n-grams only)")
+        return proposer
+
     def _draft_after(
         self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick: bool, pick_excludes: list[int],
         steering: torch.Tensor | None,
     ) -> tuple[DraftTree, float]:
+        proposer = self._proposer(shape)
         if pick:  # overlapped drafting: its pick is the first token of its draft, if it has one
-            first = self.ngram.propose(session.ngram, context, 1 + len(pick_excludes), 1)
+            first = proposer.propose(session.ngram, context, 1 + len(pick_excludes), 1)
             options = [t for t in first.token_ids if t not in pick_excludes]
             if not options:
                 return DraftTree(), 0.0
             context.append(options[0])
-        return self.ngram.propose(session.ngram, context, budget, shape.max_depth), 0.0
+        return proposer.propose(session.ngram, context, budget, shape.max_depth), 0.0

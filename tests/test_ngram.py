@@ -172,8 +172,9 @@ def test_a_model_free_drafter_runs_inside_the_coordinator(tiny_dirs, tiny_verifi
 @pytest.mark.parametrize("method", ["chain", "dynamic"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, method, temperature):
-    """Staged speculation: the n-gram stage guesses the drafter's own tokens; checked in the
-    forwards the drafter runs anyway, right guesses save forwards and change nothing."""
+    """Staged speculation: the second stage (the drafter's own earlier choices, else the
+    context's n-grams) guesses the drafter's tokens; checked in the forwards the drafter runs
+    anyway, right guesses save forwards and change nothing."""
     from drafter_service.drafter import DrafterEngine
     from specdec.core.models import ModelSpec, load_model
     from specdec.core.sampling import Sampling
@@ -199,6 +200,31 @@ def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, me
             new = draft.tree.token_ids[:1] + draft.tree.token_ids[1:2] if draft.tree.parent[1:2] == [0] else draft.tree.token_ids[:1]
         engine.trees = trees
     assert staged.trees == plain.trees
-    # A chain's next node is the one the n-gram guessed; a dynamic tree's frontier also holds
-    # runners-up no chain guess covers, so it saves nothing.
-    assert forwards[staged] < forwards[plain] if method == "chain" else forwards[staged] == forwards[plain]
+    assert forwards[staged] < forwards[plain]
+
+
+def test_each_request_chooses_its_ngram_candidates(tiny_dirs, tiny_verifier):
+    """tree.ngram per request: a model drafter drafts alone, or merges prompt-lookup or
+    suffix candidates into its drafts; a drafter without a model refuses `none`."""
+    import grpc
+
+    from specdec.core.tree import TreeShape
+    from specdec.serving.wire import shape_to_proto
+
+    ids = [11, 4, 8, 12, 6, 11, 4, 8]
+    with local_stack(tiny_config(tiny_dirs, num_draft_tokens=4)) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        accepted = {}
+        for ngram in ("none", "prompt-lookup", "suffix"):
+            request = generate_request(prompt_token_ids=ids, max_new_tokens=40, tree=shape_to_proto(TreeShape(ngram=ngram)))
+            response = client.generate(request)
+            assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40), ngram
+            accepted[ngram] = response.stats.accepted_draft_tokens
+        client.close()
+    assert max(accepted["prompt-lookup"], accepted["suffix"]) > accepted["none"]
+    with local_stack(ngram_config(tiny_dirs, "suffix")) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(generate_request(prompt_token_ids=ids, tree=shape_to_proto(TreeShape(ngram="none"))))
+        client.close()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "has no model" in err.value.details()

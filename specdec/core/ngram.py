@@ -13,9 +13,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from specdec.core.tree import ROOT, DraftTree
-
-NGRAM_METHODS = ("prompt-lookup", "suffix")
+from specdec.core.tree import NGRAM_METHODS, ROOT, DraftTree
 
 
 def is_model_free(source: str) -> bool:
@@ -144,6 +142,29 @@ class NgramProposer:
         depth = min(depth, math.ceil(settings.length_factor * n))
         continuations = [source.continuation(end, depth) for source, end in matches[: settings.max_occurrences]]
         return continuation_tree(continuations, budget, settings.min_share)
+
+
+class OwnChoices:
+    """A back-off model of a drafter built from its own drafts, the second stage of staged
+    speculation: what it chose last after each pair of tokens, else after the last token."""
+
+    def __init__(self):
+        self._after: dict[tuple[int, ...], int] = {}
+
+    def record(self, before: list[int], token: int) -> None:
+        self._after[tuple(before[-2:])] = token
+        self._after[tuple(before[-1:])] = token
+
+    def guess(self, tail: list[int], length: int) -> list[int]:
+        """Up to `length` tokens the drafter would likely draft after `tail`."""
+        tail, guessed = list(tail[-2:]), []
+        while len(guessed) < length:
+            token = self._after.get(tuple(tail[-2:]), self._after.get(tuple(tail[-1:])))
+            if token is None:
+                break
+            guessed.append(token)
+            tail.append(token)
+        return guessed
 
 
 def continuation_tree(continuations: list[list[int]], budget: int, min_share: float) -> DraftTree:

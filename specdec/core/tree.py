@@ -7,6 +7,7 @@ import torch
 
 ROOT = -1
 TREE_METHODS = ("chain", "static", "dynamic", "rsd-c", "rsd-s")
+NGRAM_METHODS = ("prompt-lookup", "suffix")  # drafting without a model (specdec/core/ngram.py)
 
 
 class MalformedTree(ValueError):
@@ -113,6 +114,9 @@ class TreeShape:
     branching: list[int] = field(default_factory=lambda: [4, 2, 2])  # static, rsd-c
     width: int = 4  # dynamic: expanded per depth and children each; rsd-s: beam width
     max_depth: int = 0  # the deepest level drafted; 0 = as deep as the budget allows
+    # n-gram candidates: "" = the drafter's default (drafter.ngram.method), "none", or one of
+    # NGRAM_METHODS (with a drafter model: hybrid drafts; without one: the only drafts)
+    ngram: str = ""
 
     def validate(self) -> None:
         """Raises ValueError naming the field that is out of range. No draft has more than
@@ -128,6 +132,8 @@ class TreeShape:
             raise ValueError(f"tree width must be in [1, {cap}], got {self.width}")
         if not 0 <= self.max_depth <= cap:
             raise ValueError(f"tree max_depth must be in [0, {cap}] (0 = up to the budget), got {self.max_depth}")
+        if self.ngram not in ("", "none", *NGRAM_METHODS):
+            raise ValueError(f"tree ngram must be '', none, {' or '.join(NGRAM_METHODS)}, got '{self.ngram}'")
 
 
 def _validate_proposal(node: int, proposal: Proposal, vocab_size: int) -> None:

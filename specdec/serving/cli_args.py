@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.core.tree import TREE_METHODS
+from specdec.core.tree import NGRAM_METHODS, TREE_METHODS
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser, with_method: bool = True) -> None:
@@ -13,6 +13,10 @@ def add_tree_arguments(parser: argparse.ArgumentParser, with_method: bool = True
     parser.add_argument("--tree-branching", help="static, rsd-c: children per node at depth 1, 2, ..., e.g. 4,2,2")
     parser.add_argument("--tree-width", type=int, help="dynamic: nodes expanded per depth and children each; rsd-s: beam width")
     parser.add_argument("--tree-depth", type=int, help="deepest level drafted (0 = as deep as the budget allows)")
+    parser.add_argument(
+        "--ngram", choices=("none", *NGRAM_METHODS),
+        help="n-gram candidates: merged into a drafter model's drafts (hybrid), or the drafts of a drafter without one (default: the drafter's)",
+    )
 
 
 def tree_overrides(args) -> dict:
@@ -22,6 +26,7 @@ def tree_overrides(args) -> dict:
         "branching": [int(b) for b in args.tree_branching.split(",")] if args.tree_branching else None,
         "width": args.tree_width,
         "max_depth": args.tree_depth,
+        "ngram": args.ngram,
     }
     return {k: v for k, v in given.items() if v is not None}
 

@@ -61,7 +61,7 @@ def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
 
 
 def shape_to_proto(shape: TreeShape) -> common_pb2.TreeShape:
-    return common_pb2.TreeShape(method=shape.method, branching=shape.branching, width=shape.width, max_depth=shape.max_depth)
+    return common_pb2.TreeShape(method=shape.method, branching=shape.branching, width=shape.width, max_depth=shape.max_depth, ngram=shape.ngram)
 
 
 def shape_from_proto(message: common_pb2.TreeShape) -> TreeShape:
@@ -72,4 +72,5 @@ def shape_from_proto(message: common_pb2.TreeShape) -> TreeShape:
         branching=list(message.branching) or default.branching,
         width=message.width or default.width,
         max_depth=message.max_depth,
+        ngram=message.ngram,
     )

@@ -39,16 +39,18 @@ class DraftTree(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parent: _Optional[_Iterable[int]] = ..., expanded_nodes: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class TreeShape(_message.Message):
-    __slots__ = ("method", "branching", "width", "max_depth")
+    __slots__ = ("method", "branching", "width", "max_depth", "ngram")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BRANCHING_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_FIELD_NUMBER: _ClassVar[int]
     method: str
     branching: _containers.RepeatedScalarFieldContainer[int]
     width: int
     max_depth: int
-    def __init__(self, method: _Optional[str] = ..., branching: _Optional[_Iterable[int]] = ..., width: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
+    ngram: str
+    def __init__(self, method: _Optional[str] = ..., branching: _Optional[_Iterable[int]] = ..., width: _Optional[int] = ..., max_depth: _Optional[int] = ..., ngram: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("shape", "dtype", "data")
