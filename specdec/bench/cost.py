@@ -33,7 +33,7 @@ def run_cost_curve(config, context_ids: list[int], tokens: list[int], repeats: i
         caches = {}
         for name, (_, engine) in engines.items():
             caches[name] = engine.new_cache()
-            engine(caches[name], context_ids)
+            engine(caches[name], context_ids, prefill=True)
         for repeat in tqdm(range(repeats + 2), desc="cost curve", unit="round"):
             for name, (role, engine) in engines.items():
                 for k in tokens if role == "verifier" else [1]:

@@ -352,7 +352,9 @@ def _drafter_args(entry: str, config) -> dict:
     own = entry in ("model", "hybrid", "staged")
     return {
         "model": dataclasses.asdict(config.drafter.model) if own else {"source": entry},
-        "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else ""},
+        # No memory of earlier outputs: a benchmark decodes each prompt once per method, and a
+        # drafter that remembered them would draft a prompt's second run from its first.
+        "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", "recent_output_tokens": 0},
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
     }
 
