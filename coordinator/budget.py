@@ -172,3 +172,53 @@ class BudgetController:
                     self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
             else:
                 self.tree_accepted[plan].add(report.accepted)
+
+
+class VerifyCosts:
+    """What a verify call costs by how many tokens it is fed, as measured (an EMA per size;
+    a fused round counts as one-token calls), and the wire time per call. Thread-safe; one
+    per coordinator."""
+
+    def __init__(self, decay: float = BudgetController.COMPUTE_DECAY):
+        self.decay = decay
+        self.by_size: dict[int, Ema] = {}
+        self.wire_ms = Ema(BudgetController.WIRE_DECAY)
+        self._lock = threading.Lock()
+
+    def observe(self, fed: int, compute_ms: float, wire_ms: float, generated: int = 1) -> None:
+        """One verify call: `fed` tokens (1 for a fused round, which made `generated`)."""
+        with self._lock:
+            self.by_size.setdefault(fed, Ema(self.decay)).add(compute_ms / generated)
+            self.wire_ms.add(wire_ms)
+
+    def round_ms(self, fed: int) -> float | None:
+        """Compute plus wire for a call fed `fed` tokens: interpolated between the nearest
+        sizes measured; past the largest, the largest's cost (optimistic, so that longer
+        drafts get tried and measured); None before a one-token call has been measured."""
+        with self._lock:
+            sizes = sorted(self.by_size)
+            if 1 not in self.by_size:
+                return None
+            below = max(s for s in sizes if s <= fed)
+            above = min((s for s in sizes if s >= fed), default=below)
+            low, high = self.by_size[below].value, self.by_size[above].value
+            compute = low if above == below else low + (high - low) * (fed - below) / (above - below)
+            return compute + self.wire_ms.get(0.0)
+
+
+def goodput_cut(parent: list[int], confidence: list[float], round_ms) -> list[int]:
+    """The draft nodes worth verifying: the n most confident, for the n that maximises the
+    expected tokens per ms, (1 + their summed confidence) / round_ms(1 + n); n = 0 is the
+    verifier's own token alone. A child counts as no more confident than its parent, so the
+    kept nodes (ascending) form a tree."""
+    capped: list[float] = []
+    for node, up in enumerate(parent):
+        capped.append(min(confidence[node], capped[up]) if 0 <= up < node else confidence[node])
+    order = sorted(range(len(capped)), key=lambda node: (-capped[node], node))
+    best_n, best_rate, expected = 0, 1.0 / round_ms(1), 1.0
+    for n, node in enumerate(order, start=1):
+        expected += capped[node]
+        rate = expected / round_ms(1 + n)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return sorted(order[:best_n])

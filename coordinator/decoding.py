@@ -10,10 +10,16 @@ from typing import Iterator
 
 import grpc
 
-from coordinator.budget import BudgetController, Plan, RoundReport
+from coordinator.budget import (
+    BudgetController,
+    Plan,
+    RoundReport,
+    VerifyCosts,
+    goodput_cut,
+)
 from coordinator.clients import PairSession
 from specdec.core.tree import ROOT, DraftTree, TreeShape
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +136,7 @@ def decode_rounds(
     fused_block: int,
     max_new_tokens: int,
     meter: Meter,
+    costs: VerifyCosts,
     overlap: ThreadPoolExecutor | None = None,
 ) -> Iterator[list[int]]:
     """Yields each round's newly committed tokens (accepted drafts, then the verifier's own
@@ -138,7 +145,8 @@ def decode_rounds(
     budget 0 for the verifier alone; it hears back what the round cost. With `overlap`
     (a thread pool for the verify calls), the drafter drafts the next round while the
     verifier checks this one, guessing the likeliest outcome (`overlap_guess`); when it came
-    true, the next round starts without waiting for the drafter."""
+    true, the next round starts without waiting for the drafter. A draft whose nodes carry
+    confidences is cut to the nodes worth their verify cost (`costs`, measured every round)."""
     generated, ahead = 0, None  # ahead: an overlapped draft, with the plan it was made for
     standby = DrafterStandby(meter)
     while generated < max_new_tokens:
@@ -157,6 +165,8 @@ def decode_rounds(
                 if draft is not None:
                     meter.add_call(draft_call, is_draft=True)
                     exposed_draft_ms, exposed_wire_ms = draft_call.compute_ms, draft_call.overhead_ms
+        if draft is not None and draft.confidence:
+            draft = _worth_verifying(draft, costs)
         if draft is not None and not draft.tree.token_ids:
             draft, fused = None, 1  # nothing to propose (an n-gram drafter without a match): ask again after a token
         elif draft is None:
@@ -166,6 +176,7 @@ def decode_rounds(
             plan, ahead = Plan(0), None
             verdict, verify_call = session.verify(None, fused_tokens=fused)
             report = RoundReport(plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms)
+            costs.observe(1, verify_call.compute_ms, verify_call.overhead_ms, generated=len(verdict.token_ids))
         else:
             structure = DraftTree(list(draft.tree.token_ids), list(draft.tree.parent))  # parents only: no proposals needed here
             if overlap is None:
@@ -185,6 +196,7 @@ def decode_rounds(
                 plan, verdict.num_accepted_draft_tokens, max(structure.depths(), default=0), 1 + nodes,
                 exposed_draft_ms, verify_call.compute_ms, exposed_wire_ms, verify_call.overhead_ms,
             )
+            costs.observe(1 + nodes, verify_call.compute_ms, verify_call.overhead_ms)
             meter.speculative_rounds += 1
             meter.accepted += verdict.num_accepted_draft_tokens
             meter.accepted_counts[verdict.num_accepted_draft_tokens] += 1
@@ -194,6 +206,23 @@ def decode_rounds(
         meter.add_plan(plan)
         generated += len(verdict.token_ids)
         yield list(verdict.token_ids)
+
+
+def _worth_verifying(draft, costs: VerifyCosts):
+    """The draft with only the nodes worth their measured verify cost (all of them until the
+    costs are known); its tree is empty when the verifier's own token alone is worth more."""
+    if costs.round_ms(1) is None or len(draft.confidence) != len(draft.tree.token_ids):
+        return draft
+    kept = goodput_cut(list(draft.tree.parent), list(draft.confidence), costs.round_ms)
+    if len(kept) == len(draft.tree.token_ids):
+        return draft
+    index = {-1: -1} | {old: new for new, old in enumerate(kept)}
+    cut = type(draft)()
+    cut.CopyFrom(draft)
+    cut.tree.CopyFrom(common_pb2.DraftTree(token_ids=[draft.tree.token_ids[n] for n in kept], parent=[index[draft.tree.parent[n]] for n in kept]))
+    del cut.confidence[:]
+    cut.confidence.extend(draft.confidence[n] for n in kept)
+    return cut
 
 
 class DrafterStandby:

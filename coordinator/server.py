@@ -7,7 +7,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-from coordinator.budget import BudgetController, Plan
+from coordinator.budget import BudgetController, Plan, VerifyCosts
 from coordinator.clients import PairSession, ServicePair
 from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
@@ -41,6 +41,7 @@ class Coordinator:
         plans = [Plan(0)] + [Plan(b) for b in adaptive.chain_budgets] + [Plan(b, adaptive.tree_method) for b in adaptive.tree_budgets]
         # Greedy and sampled decoding accept differently, and overlap hides the drafter's
         # cost: one cost model for each combination.
+        self.verify_costs = VerifyCosts()  # what the verifier's calls cost, by size: n-gram drafts are cut to it
         self.controllers = {
             (greedy, overlap): BudgetController(plans, config.fused_block_tokens, revisit_every=adaptive.revisit_every)
             for greedy in (True, False)
@@ -124,7 +125,7 @@ class Coordinator:
         try:
             policy = self.controllers[request.temperature == 0, overlap] if adaptive else FixedPolicy(Plan(budget, shape.method))
             pool = self.verify_pool if overlap else None
-            for committed in decode_rounds(session, policy, shape, self.config.fused_block_tokens, max_new, meter, pool):
+            for committed in decode_rounds(session, policy, shape, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool):
                 output.add(committed)
                 if output.finish_reason:
                     break

@@ -24,7 +24,9 @@ from specdec.core.models import (
     tokenizer_fingerprint,
 )
 from specdec.core.ngram import (
+    NgramDraft,
     NgramIndex,
+    NgramLM,
     NgramProposer,
     NgramSettings,
     OwnChoices,
@@ -61,6 +63,8 @@ class DrafterSession:
     ngram: NgramIndex | None = None  # the n-gram index of the committed tokens
     own: OwnChoices = field(default_factory=OwnChoices)  # staged speculation: its own drafts so far
     forward_passes: int = 0  # model forwards run for this session
+    # The last n-gram draft and its proposer, which learns from the tokens committed after it.
+    lesson: tuple[NgramProposer, NgramDraft] | None = None
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Draft:
     compute_ms: float
     steering_ms: float  # of compute_ms, turning the steering vector into deltas
     forward_passes: int
+    confidence: list[float]  # per node, the chance the verifier accepts its path; [] = no estimate
 
 
 class DrafterEngine:
@@ -201,34 +206,47 @@ class DrafterEngine:
             session.tokens.extend(new_tokens)
             if session.ngram is not None:
                 session.ngram.extend(new_tokens)
+            if session.lesson is not None:
+                proposer, last = session.lesson
+                proposer.learn(last, new_tokens)
+                session.lesson = None
             start, forwards = time.perf_counter(), session.forward_passes
             context = session.tokens + list(assumed)
-            tree, steering_ms = self._draft_after(session, context, shape, num_tokens, bool(assumed), pick_excludes, steering)
-            return Draft(tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards)
+            tree, steering_ms, confidence = self._draft_after(session, context, shape, num_tokens, bool(assumed), pick_excludes, steering)
+            return Draft(
+                tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards, confidence
+            )
+
+    def _ngram_draft(self, session: DrafterSession, proposer: NgramProposer, context: list[int], budget: int, max_depth: int, pick: bool) -> NgramDraft:
+        """The proposer's draft after `context`; one made right after the committed tokens is
+        kept, to learn from what gets committed next."""
+        draft = proposer.propose(session.ngram, context, budget, max_depth)
+        session.lesson = (proposer, draft) if draft.tree and not pick else None
+        return draft
 
     def _draft_after(
         self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick: bool, pick_excludes: list[int],
         steering: torch.Tensor | None,
-    ) -> tuple[DraftTree, float]:
+    ) -> tuple[DraftTree, float, list[float]]:
         """The tree after `context` (first extended by the drafter's pick of the next token when
-        `pick`), and the ms spent steering."""
+        `pick`), the ms spent steering, and the nodes' confidences where all have one."""
         with self._model_lock, torch.inference_mode(), self._steered(steering) as steering_ms:
             if pick:
                 context.append(self._pick_next(session, context, pick_excludes))
             proposer = self._proposer(shape)
             if proposer is None:
-                return self._draft_tree(session, context, shape, budget), steering_ms[0]
+                return self._draft_tree(session, context, shape, budget), steering_ms[0], []
             # Greedy: the n-gram draft, then the model's nodes (at least one) fill the budget.
             # Sampling: a deterministic child cannot join children sampled from a proposal, so
             # where the context matched, the n-gram draft goes alone.
             greedy = session.sampling.greedy
-            candidates = proposer.propose(session.ngram, context, budget - 1 if greedy else budget, shape.max_depth)
+            candidates = self._ngram_draft(session, proposer, context, budget - 1 if greedy else budget, shape.max_depth, pick)
             if not candidates:
-                return self._draft_tree(session, context, shape, budget), steering_ms[0]
+                return self._draft_tree(session, context, shape, budget), steering_ms[0], []
             if not greedy:
-                return candidates, steering_ms[0]
+                return candidates.tree, steering_ms[0], candidates.confidence
             model = self._draft_tree(session, context, shape, budget - len(candidates))
-            return merge_trees(candidates, model, budget), steering_ms[0]
+            return merge_trees(candidates.tree, model, budget), steering_ms[0], []
 
     def _take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
         raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
@@ -299,7 +317,7 @@ class DrafterEngine:
             return DraftTree()
         own = session.own.guess(tail, self.lookahead)
         if not own:
-            return self.stage2.propose(session.ngram, tail, self.lookahead, self.lookahead)
+            return self.stage2.propose(session.ngram, tail, self.lookahead, self.lookahead).tree
         return DraftTree(own, list(range(-1, len(own) - 1)))
 
     def _draft_tree(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
@@ -335,8 +353,12 @@ class DrafterEngine:
                 logits_of.update(zip(new, out))
             return [self._next_token(logits_of[fed_node[n]], session.sampling) for n in nodes]
 
+        rescore = None
+        if shape.method == "lattice-ngram":
+            lm, tail = NgramLM(session.ngram), context[-session.ngram.max_n :]
+            rescore = lambda path, token: lm.log_prob(tail + path, token)  # noqa: E731
         generator = None if session.sampling.greedy else session.generator
-        return builder_for(shape).build(expand, budget, generator)
+        return builder_for(shape, rescore).build(expand, budget, generator)
 
     def _next_token(self, logits: torch.Tensor, sampling: Sampling) -> NextToken:
         if sampling.greedy:

@@ -40,12 +40,13 @@ class NgramDrafter(DrafterEngine):
     def _draft_after(
         self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick: bool, pick_excludes: list[int],
         steering: torch.Tensor | None,
-    ) -> tuple[DraftTree, float]:
+    ) -> tuple[DraftTree, float, list[float]]:
         proposer = self._proposer(shape)
         if pick:  # overlapped drafting: its pick is the first token of its draft, if it has one
-            first = proposer.propose(session.ngram, context, 1 + len(pick_excludes), 1)
+            first = proposer.propose(session.ngram, context, 1 + len(pick_excludes), 1).tree
             options = [t for t in first.token_ids if t not in pick_excludes]
             if not options:
-                return DraftTree(), 0.0
+                return DraftTree(), 0.0, []
             context.append(options[0])
-        return proposer.propose(session.ngram, context, budget, shape.max_depth), 0.0
+        draft = self._ngram_draft(session, proposer, context, budget, shape.max_depth, pick)
+        return draft.tree, 0.0, draft.confidence

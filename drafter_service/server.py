@@ -82,6 +82,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             handler_ms=(time.perf_counter() - start) * 1e3,
             steering_ms=draft.steering_ms,
             forward_passes=draft.forward_passes,
+            confidence=draft.confidence,
         )
 
     @reports_errors

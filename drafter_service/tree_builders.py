@@ -155,6 +155,44 @@ class StochasticBeamTree(TreeBuilder):
         return tree
 
 
+class LatticeTree(TreeBuilder):
+    """Blockwise parallel decoding's refinement (Kim et al.): the drafter drafts a chain of
+    `depth` tokens, and its `width` likeliest tokens at each depth, all conditioned on the
+    chain, form a lattice. Paths through it are scored by the drafter's log-probabilities plus,
+    when `rescore` is given, an n-gram LM's (the context's own phrasing), searched with a beam of
+    `budget` prefixes; the `budget` best-scored prefixes form the tree. It costs the drafter
+    the chain's forwards; the other branches are free guesses. Deterministic (point-mass) nodes,
+    so exact for sampling too. Depth: `max_depth`, else half the budget."""
+
+    def __init__(self, width: int, max_depth: int, rescore: Callable[[list[int], int], float] | None):
+        self.width = width
+        self.max_depth = max_depth
+        self.rescore = rescore  # (path so far, token) -> log-probability to add
+
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+        chain, lattice = DraftTree(), []
+        node = ROOT
+        for _ in range(self.max_depth or max(1, budget // 2)):
+            probs = expand(chain, [node])[0].probs
+            lattice.append([(token, math.log(float(probs[token]))) for token in top_tokens(probs, self.width)])
+            node = chain.add(lattice[-1][0][0], node)
+        tree, score, path = DraftTree(), [], {ROOT: []}
+        beam = [ROOT]
+        for candidates in lattice:
+            grown = []
+            for parent in beam:
+                base = score[parent] if parent != ROOT else 0.0
+                for token, logq in candidates:
+                    child = tree.add(token, parent)
+                    path[child] = path[parent] + [token]
+                    score.append(base + logq + (self.rescore(path[parent], token) if self.rescore else 0.0))
+                    grown.append(child)
+            beam = sorted(grown, key=lambda n: (-score[n], n))[:budget]
+        # Scores only fall along a path, so the best `budget` nodes include their parents.
+        best = sorted(range(len(tree)), key=lambda n: (-score[n], n))[:budget]
+        return tree.subtree(sorted(best))
+
+
 def conditioned_gumbel(logp: torch.Tensor, parent_key: float, rng: torch.Generator) -> torch.Tensor:
     """Gumbel(logp) keys conditioned on their maximum being parent_key (Kool et al. 2019,
     appendix B, in its numerically stable form). A monotone map of the unconditioned keys."""
@@ -169,13 +207,16 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def builder_for(shape: TreeShape) -> TreeBuilder:
+def builder_for(shape: TreeShape, rescore: Callable[[list[int], int], float] | None = None) -> TreeBuilder:
+    """The builder of shape.method; `rescore` is lattice-ngram's n-gram LM over the context."""
     builders: dict[str, Callable[[], TreeBuilder]] = {
         "chain": lambda: KaryTree([1], sampled=True, max_depth=shape.max_depth),
         "static": lambda: KaryTree(shape.branching, sampled=False, max_depth=shape.max_depth),
         "rsd-c": lambda: KaryTree(shape.branching, sampled=True, max_depth=shape.max_depth),
         "dynamic": lambda: DynamicTree(shape.width, shape.max_depth),
         "rsd-s": lambda: StochasticBeamTree(shape.width, shape.max_depth),
+        "lattice": lambda: LatticeTree(shape.width, shape.max_depth, None),
+        "lattice-ngram": lambda: LatticeTree(shape.width, shape.max_depth, rescore),
     }
     assert set(builders) == set(TREE_METHODS)
     return builders[shape.method]()

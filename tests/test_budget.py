@@ -10,7 +10,13 @@ from collections import Counter
 
 import pytest
 
-from coordinator.budget import BudgetController, Plan, RoundReport
+from coordinator.budget import (
+    BudgetController,
+    Plan,
+    RoundReport,
+    VerifyCosts,
+    goodput_cut,
+)
 from specdec.serving.client import CoordinatorClient, generate_request
 from tests.conftest import local_stack
 
@@ -127,6 +133,31 @@ def adaptive_rounds(config: dict, prompts: int = 3) -> tuple[Counter, float]:
 
 def speculative_share(rounds: Counter) -> float:
     return 1 - rounds["fused"] / sum(rounds.values())
+
+
+def test_goodput_cut_keeps_the_nodes_worth_their_verify_cost():
+    flat_then_steep = {1: 10.0, 2: 14.0, 3: 14.0, 4: 14.0, 5: 20.0}.__getitem__
+    chain = [-1, 0, 1, 2]
+    # Each kept node adds its confidence to the expected tokens: 1.9/14 and 2.6/14 beat 1/10,
+    # the third node costs nothing more, the fourth 6 ms for 0.4 of a token.
+    assert goodput_cut(chain, [0.9, 0.7, 0.6, 0.4], flat_then_steep) == [0, 1, 2]
+    assert goodput_cut(chain, [0.2, 0.1, 0.05, 0.01], flat_then_steep) == []  # 1.35/14 < 1/10: no draft
+    # Branches: a child counts as no more confident than its parent (node 3's 0.9 counts as
+    # 0.35), so it is never kept without it; the fifth token of the call costs 6 ms for 0.35.
+    tree = [-1, 0, -1, 2]
+    assert goodput_cut(tree, [0.6, 0.5, 0.35, 0.9], flat_then_steep) == [0, 1, 2]
+    assert goodput_cut(tree, [0.6, 0.5, 0.2, 0.9], {1: 10.0, 2: 12.0, 3: 13.0, 4: 40.0, 5: 50.0}.__getitem__) == [0, 1]
+
+
+def test_verify_costs_are_measured_by_size_and_interpolated():
+    costs = VerifyCosts()
+    assert costs.round_ms(1) is None  # nothing measured: nothing is cut
+    costs.observe(9, 30.0, 2.0)
+    assert costs.round_ms(1) is None
+    costs.observe(1, 40.0, 2.0, generated=4)  # a fused round: 4 tokens, 10 ms each
+    assert costs.round_ms(1) == pytest.approx(12.0)
+    assert costs.round_ms(5) == pytest.approx(2.0 + 10.0 + 20.0 * 4 / 8)
+    assert costs.round_ms(17) == pytest.approx(32.0)  # past the largest size measured: optimistic
 
 
 def test_through_the_injector_a_long_round_trip_takes_the_largest_chain(tiny_dirs):

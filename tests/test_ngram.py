@@ -36,10 +36,10 @@ def test_index_finds_earlier_occurrences_with_a_continuation():
 def test_prompt_lookup_follows_the_latest_longest_match():
     proposer = NgramProposer("prompt-lookup", NgramSettings(max_ngram=3, min_ngram=1))
     context = [1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3]
-    tree = proposer.propose(proposer.new_index(context), context, budget=3)
+    tree = proposer.propose(proposer.new_index(context), context, budget=3).tree
     # (1, 2, 3) occurs once before: its continuation wins over the later (2, 3) -> 5.
     assert tree.token_ids == [4, 9, 2] and tree.parent == [ROOT, 0, 1]
-    assert proposer.propose(proposer.new_index(context), context, budget=5, max_depth=2).token_ids == [4, 9]
+    assert proposer.propose(proposer.new_index(context), context, budget=5, max_depth=2).tree.token_ids == [4, 9]
 
 
 def test_no_match_below_min_ngram_drafts_nothing():
@@ -47,21 +47,38 @@ def test_no_match_below_min_ngram_drafts_nothing():
     context = [1, 2, 3, 1]  # only the 1-gram (1) repeats
     assert len(proposer.propose(proposer.new_index(context), context, budget=4)) == 0
     loose = NgramProposer("prompt-lookup", NgramSettings(min_ngram=1))
-    assert loose.propose(loose.new_index(context), context, budget=2).token_ids == [2, 3]
+    assert loose.propose(loose.new_index(context), context, budget=2).tree.token_ids == [2, 3]
 
 
 def test_suffix_tree_is_scored_by_how_often_each_continuation_occurred():
-    tree = continuation_tree([[7, 8], [7, 9], [7, 8], [4]], budget=3, min_share=0.0)
+    tree, shares = continuation_tree([[7, 8], [7, 9], [7, 8], [4]], budget=3, min_share=0.0)
     assert paths(tree) == {(7,), (7, 8), (7, 9)}  # (4,) occurred once, as (7, 9) did: the earlier wins
-    assert paths(continuation_tree([[7, 8], [7, 9], [7, 8], [4]], budget=10, min_share=0.5)) == {(7,), (7, 8)}
+    assert shares == [0.75, 0.5, 0.25]  # nodes (7,), (7, 8), (7, 9): the share of occurrences through each
+    assert paths(continuation_tree([[7, 8], [7, 9], [7, 8], [4]], budget=10, min_share=0.5)[0]) == {(7,), (7, 8)}
+
+
+def test_confidence_learns_that_long_matches_are_copied():
+    proposer = NgramProposer("prompt-lookup", NgramSettings(max_ngram=2, min_ngram=1))
+    context = [1, 2, 3, 4, 5, 6, 9, 2]
+    draft = proposer.propose(proposer.new_index(context), context, budget=4)
+    assert draft.tree.token_ids == [3, 4, 5, 6] and draft.matched == 1
+    assert draft.confidence == pytest.approx([0.5, 0.25, 0.125, 0.0625])  # the uniform prior
+    for _ in range(20):  # after one matched token the first draft token is rejected; after two or more, copied
+        proposer.learn(draft, [7])
+        proposer.learn(draft, [3, 4, 5, 6])
+    p1, p2 = proposer.acceptance.probability(1), proposer.acceptance.probability(2)
+    assert p1 == pytest.approx(21 / 42) and p2 == pytest.approx(21 / 22)
+    again = proposer.propose(proposer.new_index(context), context, budget=4).confidence
+    assert again[0] == pytest.approx(p1) and again[1] == pytest.approx(p1 * p2)
+    assert all(child <= parent for parent, child in zip(again, again[1:]))
 
 
 def test_suffix_draft_depth_follows_the_match_length():
     proposer = NgramProposer("suffix", NgramSettings(max_ngram=4, min_ngram=1, length_factor=1.0, min_share=0.0))
     context = [1, 2, 3, 4, 5, 6, 7, 8, 0, 3]  # matched length 1 -> depth 1
-    assert paths(proposer.propose(proposer.new_index(context), context, budget=8)) == {(4,)}
+    assert paths(proposer.propose(proposer.new_index(context), context, budget=8).tree) == {(4,)}
     context = [1, 2, 3, 4, 5, 6, 7, 8, 0, 2, 3]  # matched length 2 -> depth 2
-    assert paths(proposer.propose(proposer.new_index(context), context, budget=8)) == {(4,), (4, 5)}
+    assert paths(proposer.propose(proposer.new_index(context), context, budget=8).tree) == {(4,), (4, 5)}
 
 
 def test_suffix_drafts_from_other_requests_outputs_and_forgets_the_oldest():
@@ -69,7 +86,7 @@ def test_suffix_drafts_from_other_requests_outputs_and_forgets_the_oldest():
     context = [40, 41]
     assert len(proposer.propose(proposer.new_index(context), context, budget=4)) == 0
     proposer.finished([40, 41, 42, 43])
-    assert paths(proposer.propose(proposer.new_index(context), context, budget=4)) >= {(42,), (42, 43)}
+    assert paths(proposer.propose(proposer.new_index(context), context, budget=4).tree) >= {(42,), (42, 43)}
     proposer.finished([1, 2, 3, 4, 5])  # 9 tokens held > 8: the first output goes
     assert len(proposer.recent) == 5
     assert len(proposer.propose(proposer.new_index(context), context, budget=4)) == 0

@@ -76,6 +76,8 @@ SHAPES = {
     "dynamic": TreeShape("dynamic", width=3, max_depth=3),
     "rsd-c": TreeShape("rsd-c", branching=[3, 2]),
     "rsd-s": TreeShape("rsd-s", width=3),
+    "lattice": TreeShape("lattice", width=3, max_depth=3),
+    "lattice-ngram": TreeShape("lattice-ngram", width=3, max_depth=3),
 }
 assert set(SHAPES) == set(TREE_METHODS)
 
@@ -151,6 +153,26 @@ def test_rsd_s_without_noise_is_beam_search():
         candidates = [b + (t,) for b in beam for t in range(VOCAB)]
         beam = sorted(candidates, key=lambda s: -scores[s])[:2]
         assert {p for p in paths(tree) if len(p) == depth} == set(beam)
+
+
+def test_lattice_keeps_the_best_prefixes_of_the_chain_lattice_and_rescoring_moves_them():
+    draft = markov(5, 1.0)
+    calls = []
+
+    def expand(tree, nodes):
+        calls.append([tree.token_ids[n] for n in tree.path_to(nodes[0])] if nodes[0] != ROOT else [])
+        return table_expand(draft, False)(tree, nodes)
+
+    tree = builder_for(TreeShape("lattice", width=VOCAB, max_depth=3)).build(expand, 5, None)
+    chain = calls[-1] + [int(draft[calls[-1][-1]].argmax())]
+    assert calls == [chain[:0], chain[:1], chain[:2]]  # the drafter runs the chain only
+    # Every token at depth d is scored by the distribution after the chain's token d - 1.
+    logq = [draft[ROOT_TOKEN].log()] + [draft[t].log() for t in chain[:2]]
+    scores = {seq: sum(float(logq[d][t]) for d, t in enumerate(seq)) for length in (1, 2, 3) for seq in itertools.product(range(VOCAB), repeat=length)}
+    assert paths(tree) == set(sorted(scores, key=lambda s: -scores[s])[:5])
+    # An n-gram LM that likes token 0 everywhere pulls paths of zeros in.
+    liked = builder_for(TreeShape("lattice-ngram", width=VOCAB, max_depth=3), rescore=lambda path, token: 0.0 if token == 0 else -20.0)
+    assert paths(liked.build(table_expand(draft, False), 3, None)) == {(0,), (0, 0), (0, 0, 0)}
 
 
 @pytest.mark.parametrize("method", TREE_METHODS)

@@ -5,7 +5,9 @@ also in the recent outputs of all requests, merged into a tree scored by how oft
 continuation occurred.
 
 Drafts are deterministic (point-mass proposals), so verification stays exact for greedy
-decoding and for sampling alike."""
+decoding and for sampling alike. Each node carries a confidence, the estimated chance that the
+verifier accepts the path to it, learned from how often drafts after a match of each length
+were accepted; the coordinator verifies only the nodes worth their cost (coordinator/budget.py)."""
 from __future__ import annotations
 
 import math
@@ -71,8 +73,37 @@ class NgramIndex:
         last = len(self.tokens) - 1
         return [end for end in reversed(self._ends.get(pattern, ())) if end < last]
 
+    def count(self, pattern: tuple[int, ...]) -> int:
+        """Occurrences of `pattern` (at most max_n tokens)."""
+        return len(self._ends.get(pattern, ()))
+
     def continuation(self, end: int, depth: int) -> list[int]:
         return self.tokens[end + 1 : end + 1 + depth]
+
+
+class NgramLM:
+    """An interpolated n-gram language model over an NgramIndex (Jelinek-Mercer): each order
+    whose history occurred adds its relative frequency, longer histories weighing more, and a
+    small floor keeps unseen tokens finite. It rescores lattice paths (blockwise parallel
+    decoding refinement, Kim et al.)."""
+
+    FLOOR = 1e-6
+
+    def __init__(self, index: NgramIndex):
+        self.index = index
+
+    def log_prob(self, history: list[int], token: int) -> float:
+        """log P(token | history), history's last tokens first in weight."""
+        index, total, weights = self.index, 0.0, 0.0
+        for n in range(min(index.max_n - 1, len(history)) + 1):
+            before = tuple(history[len(history) - n :])
+            seen = len(index.continued(before)) if n else len(index.tokens)
+            if not seen:
+                break
+            weight = 2.0**n
+            total += weight * index.count(before + (token,)) / seen
+            weights += weight
+        return math.log(total / weights + self.FLOOR) if weights else math.log(self.FLOOR)
 
 
 class RecentOutputs:
@@ -105,6 +136,39 @@ class RecentOutputs:
         return self._size
 
 
+class MatchAcceptance:
+    """How often a drafted token was the verifier's, by how many tokens were matched before
+    it (the context's matched suffix plus the draft tokens before it): the longer the run of
+    copied tokens, the likelier the next one is copied too. Counts with a uniform prior."""
+
+    LONGEST = 32  # matches at least this long share one count
+
+    def __init__(self):
+        self._hits = [1.0] * (self.LONGEST + 1)
+        self._trials = [2.0] * (self.LONGEST + 1)
+        self._lock = threading.Lock()
+
+    def probability(self, matched: int) -> float:
+        m = min(matched, self.LONGEST)
+        return self._hits[m] / self._trials[m]
+
+    def record(self, matched: int, accepted: bool) -> None:
+        m = min(matched, self.LONGEST)
+        with self._lock:
+            self._hits[m] += accepted
+            self._trials[m] += 1
+
+
+@dataclass
+class NgramDraft:
+    tree: DraftTree
+    confidence: list[float]  # per node: the estimated chance that the verifier accepts its path
+    matched: int = 0  # length of the context suffix the draft continues
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
+
 class NgramProposer:
     """One of NGRAM_METHODS with its settings; sessions hold their own NgramIndex."""
 
@@ -114,6 +178,7 @@ class NgramProposer:
         self.method = method
         self.settings = settings
         self.recent = RecentOutputs(settings.recent_output_tokens if method == "suffix" else 0, settings.max_ngram)
+        self.acceptance = MatchAcceptance()
 
     def new_index(self, context: list[int]) -> NgramIndex:
         return NgramIndex(self.settings.max_ngram, context)
@@ -123,7 +188,21 @@ class NgramProposer:
         if self.recent.max_tokens:
             self.recent.add(output)
 
-    def propose(self, index: NgramIndex, tail: list[int], budget: int, max_depth: int = 0) -> DraftTree:
+    def learn(self, draft: NgramDraft, committed: list[int]) -> None:
+        """What the verifier committed right after `draft` was proposed: each depth the draft
+        reached counts as accepted when some node there was the committed token."""
+        node = ROOT
+        for depth, token in enumerate(committed):
+            children = draft.tree.children(node)
+            if not children:
+                return
+            hit = next((c for c in children if draft.tree.token_ids[c] == token), None)
+            self.acceptance.record(draft.matched + depth, hit is not None)
+            if hit is None:
+                return
+            node = hit
+
+    def propose(self, index: NgramIndex, tail: list[int], budget: int, max_depth: int = 0) -> NgramDraft:
         """A tree of at most `budget` nodes to follow `tail` (the context's last tokens; `index`
         holds the committed ones), or an empty tree when nothing matches."""
         settings = self.settings
@@ -134,14 +213,25 @@ class NgramProposer:
             if matches:
                 break
         else:
-            return DraftTree()
+            return NgramDraft(DraftTree(), [])
         depth = min(budget, max_depth or budget)
         if self.method == "prompt-lookup":
             source, end = matches[0]  # the latest occurrence in the context
-            return continuation_tree([source.continuation(end, depth)], budget, 0.0)
-        depth = min(depth, math.ceil(settings.length_factor * n))
-        continuations = [source.continuation(end, depth) for source, end in matches[: settings.max_occurrences]]
-        return continuation_tree(continuations, budget, settings.min_share)
+            tree, shares = continuation_tree([source.continuation(end, depth)], budget, 0.0)
+        else:
+            depth = min(depth, math.ceil(settings.length_factor * n))
+            continuations = [source.continuation(end, depth) for source, end in matches[: settings.max_occurrences]]
+            tree, shares = continuation_tree(continuations, budget, settings.min_share)
+        return NgramDraft(tree, self._confidence(tree, shares, n), n)
+
+    def _confidence(self, tree: DraftTree, shares: list[float], matched: int) -> list[float]:
+        """A node's share of the occurrences times the chance that each depth down to it is
+        accepted; never above its parent's, so the most confident nodes form a tree."""
+        reach, confidence = {ROOT: 1.0}, []
+        for node, (parent, depth) in enumerate(zip(tree.parent, tree.depths())):
+            reach[node] = reach[parent] * self.acceptance.probability(matched + depth - 1)
+            confidence.append(min(reach[node] * shares[node], confidence[parent] if parent != ROOT else 1.0))
+        return confidence
 
 
 class OwnChoices:
@@ -167,10 +257,11 @@ class OwnChoices:
         return guessed
 
 
-def continuation_tree(continuations: list[list[int]], budget: int, min_share: float) -> DraftTree:
+def continuation_tree(continuations: list[list[int]], budget: int, min_share: float) -> tuple[DraftTree, list[float]]:
     """The trie of `continuations`, cut to the `budget` nodes that the most of them pass
-    through (at least `min_share` of them). A node's share is the empirical probability of its
-    path given the match, and never exceeds its parent's, so the kept nodes form a tree."""
+    through (at least `min_share` of them), and each kept node's share of them. A node's share
+    is the empirical probability of its path given the match, and never exceeds its parent's,
+    so the kept nodes form a tree."""
     trie, counts, child = DraftTree(), [], {}
     for tokens in continuations:
         node = ROOT
@@ -182,8 +273,8 @@ def continuation_tree(continuations: list[list[int]], budget: int, min_share: fl
             counts[node] += 1
     least = min_share * len(continuations)
     # Ties keep the earlier node: a parent before its children, the latest occurrence first.
-    kept = sorted((n for n in range(len(trie)) if counts[n] >= least), key=lambda n: (-counts[n], n))[:budget]
-    return trie.subtree(sorted(kept))
+    kept = sorted(sorted((n for n in range(len(trie)) if counts[n] >= least), key=lambda n: (-counts[n], n))[:budget])
+    return trie.subtree(kept), [counts[n] / len(continuations) for n in kept]
 
 
 def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 ROOT = -1
-TREE_METHODS = ("chain", "static", "dynamic", "rsd-c", "rsd-s")
+TREE_METHODS = ("chain", "static", "dynamic", "rsd-c", "rsd-s", "lattice", "lattice-ngram")
 NGRAM_METHODS = ("prompt-lookup", "suffix")  # drafting without a model (specdec/core/ngram.py)
 
 
@@ -112,7 +112,7 @@ class TreeShape:
 
     method: str = "chain"
     branching: list[int] = field(default_factory=lambda: [4, 2, 2])  # static, rsd-c
-    width: int = 4  # dynamic: expanded per depth and children each; rsd-s: beam width
+    width: int = 4  # dynamic: expanded per depth and children each; rsd-s: beam width; lattice: tokens per depth
     max_depth: int = 0  # the deepest level drafted; 0 = as deep as the budget allows
     # n-gram candidates: "" = the drafter's default (drafter.ngram.method), "none", or one of
     # NGRAM_METHODS (with a drafter model: hybrid drafts; without one: the only drafts)
