@@ -3,6 +3,7 @@ context, and draft proposals (greedy picks, or samples with their sparse proposa
 optionally steered by the verifier's SD² vector."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -58,6 +59,12 @@ class DrafterSession:
     # the last draft's expanded nodes and the second stage's guesses.
     cached_tokens: list[int] = field(default_factory=list)
     fed_tree: DraftTree = field(default_factory=DraftTree)
+    # Staged speculation: the fed nodes the tree builder expanded (the rest were guesses), and
+    # whether that call was steered. A steering vector changes what a node's cache holds, so
+    # across steered calls only what the drafter alone would have fed is reused.
+    fed_expanded: set[int] = field(default_factory=set)
+    fed_steered: bool = False
+    reuse_guesses: bool = True  # this call may reuse guessed nodes
     lock: threading.Lock = field(default_factory=threading.Lock)
     prompt_length: int = 0  # of tokens: the context it was opened with
     ngram: NgramIndex | None = None  # the n-gram index of the committed tokens
@@ -231,6 +238,8 @@ class DrafterEngine:
         """The tree after `context` (first extended by the drafter's pick of the next token when
         `pick`), the ms spent steering, and the nodes' confidences where all have one."""
         with self._model_lock, torch.inference_mode(), self._steered(steering) as steering_ms:
+            session.reuse_guesses = steering is None and not session.fed_steered
+            session.fed_steered = steering is not None
             if pick:
                 context.append(self._pick_next(session, context, pick_excludes))
             proposer = self._proposer(shape)
@@ -281,8 +290,9 @@ class DrafterEngine:
         prefix = len(session.cached_tokens)
         new = context[prefix:]
         tree, kept, node = session.fed_tree, [], ROOT
+        reusable = lambda c: session.reuse_guesses or c in session.fed_expanded  # noqa: E731
         for token in new[:-1]:
-            node = next((c for c in tree.children(node) if tree.token_ids[c] == token), None)
+            node = next((c for c in tree.children(node) if tree.token_ids[c] == token and reusable(c)), None)
             if node is None:
                 break
             kept.append(prefix + node)
@@ -300,7 +310,7 @@ class DrafterEngine:
         else:
             logits = self._forward(session, pending)[-1:]
         session.cached_tokens.extend(pending)
-        session.fed_tree = guess or DraftTree()
+        session.fed_tree = DraftTree() if guess is None else guess  # the same object the builder grows
         return logits
 
     def _pick_next(self, session: DrafterSession, context: list[int], excludes: list[int] = ()) -> int:
@@ -356,9 +366,14 @@ class DrafterEngine:
         rescore = None
         if shape.method == "lattice-ngram":
             lm, tail = NgramLM(session.ngram), context[-session.ngram.max_n :]
-            rescore = lambda path, token: lm.log_prob(tail + path, token)  # noqa: E731
+
+            def rescore(path: list[int], token: int, logq: float) -> float:
+                # An even mixture: where the context says nothing, the drafter's ranking stands.
+                return math.log(0.5 * math.exp(logq) + 0.5 * math.exp(lm.log_prob(tail + path, token)))
         generator = None if session.sampling.greedy else session.generator
-        return builder_for(shape, rescore).build(expand, budget, generator)
+        tree = builder_for(shape, rescore).build(expand, budget, generator)
+        session.fed_expanded = set(fed_node.values()) - {ROOT}
+        return tree
 
     def _next_token(self, logits: torch.Tensor, sampling: Sampling) -> NextToken:
         if sampling.greedy:

@@ -29,6 +29,8 @@ class NextToken:
 
 # expand(tree, nodes) -> the next-token distribution after each node (ROOT included).
 Expand = Callable[[DraftTree, list[int]], list[NextToken]]
+# rescore(path so far, token, the drafter's log-probability of it) -> the score of the token there.
+Rescore = Callable[[list[int], int, float], float]
 
 
 class TreeBuilder(ABC):
@@ -158,16 +160,17 @@ class StochasticBeamTree(TreeBuilder):
 class LatticeTree(TreeBuilder):
     """Blockwise parallel decoding's refinement (Kim et al.): the drafter drafts a chain of
     `depth` tokens, and its `width` likeliest tokens at each depth, all conditioned on the
-    chain, form a lattice. Paths through it are scored by the drafter's log-probabilities plus,
-    when `rescore` is given, an n-gram LM's (the context's own phrasing), searched with a beam of
-    `budget` prefixes; the `budget` best-scored prefixes form the tree. It costs the drafter
+    chain, form a lattice. Paths through it are scored by the drafter's log-probabilities or,
+    with `rescore`, by log-probabilities that mix in an n-gram LM's (the context's own
+    phrasing), searched with a beam of `budget` prefixes; the `budget` best-scored prefixes
+    form the tree. It costs the drafter
     the chain's forwards; the other branches are free guesses. Deterministic (point-mass) nodes,
     so exact for sampling too. Depth: `max_depth`, else half the budget."""
 
-    def __init__(self, width: int, max_depth: int, rescore: Callable[[list[int], int], float] | None):
+    def __init__(self, width: int, max_depth: int, rescore: Rescore | None):
         self.width = width
         self.max_depth = max_depth
-        self.rescore = rescore  # (path so far, token) -> log-probability to add
+        self.rescore = rescore
 
     def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
         chain, lattice = DraftTree(), []
@@ -185,7 +188,7 @@ class LatticeTree(TreeBuilder):
                 for token, logq in candidates:
                     child = tree.add(token, parent)
                     path[child] = path[parent] + [token]
-                    score.append(base + logq + (self.rescore(path[parent], token) if self.rescore else 0.0))
+                    score.append(base + (self.rescore(path[parent], token, logq) if self.rescore else logq))
                     grown.append(child)
             beam = sorted(grown, key=lambda n: (-score[n], n))[:budget]
         # Scores only fall along a path, so the best `budget` nodes include their parents.
@@ -207,7 +210,7 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def builder_for(shape: TreeShape, rescore: Callable[[list[int], int], float] | None = None) -> TreeBuilder:
+def builder_for(shape: TreeShape, rescore: Rescore | None = None) -> TreeBuilder:
     """The builder of shape.method; `rescore` is lattice-ngram's n-gram LM over the context."""
     builders: dict[str, Callable[[], TreeBuilder]] = {
         "chain": lambda: KaryTree([1], sampled=True, max_depth=shape.max_depth),

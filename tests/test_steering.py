@@ -363,3 +363,45 @@ def test_ablation_prompt_sets_and_checks(steering_runs):
     low, high = greedy["accepted_gain_vs_distilled_only_95ci"]
     assert 0.10 <= low < greedy["accepted_gain_vs_distilled_only"] < high <= 0.20  # resampled prompts gain +10% to +20%
     assert not sampled["gain_met"] and not sampled["cost_under_3_percent"]  # +12.5% misses the T=1 bar of +15%
+
+
+def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(steer_dirs, tmp_path):
+    """A steering vector changes what a fed node's cache rows hold, so a staged drafter may
+    reuse across calls only the nodes the drafter alone would have fed, not its guesses; its
+    drafts stay the drafter's own, round after round, with a new vector each round."""
+    from drafter_service.drafter import DrafterEngine
+    from specdec.core.ngram import NgramSettings
+    from specdec.core.sampling import Sampling
+    from specdec.core.tree import ROOT, TreeShape
+
+    # Two layers: steering changes the up-branch, so only the second layer's cache rows move.
+    spec = ModelSpec(str(build_model_dir(tmp_path / "drafter", seed=2, layers=2)))
+    torch.manual_seed(0)
+    drafter_part = DrafterSteering.for_model(load_model(spec), 32)
+    torch.nn.init.normal_(drafter_part.proj.weight, std=0.5)
+    (tmp_path / "steering").mkdir()
+    save_steering(tmp_path / "steering", str(steer_dirs["verifier"]), VerifierSteering(32, default_layers(4)), drafter_part, max_offset=4)
+    context = [1, 5, 9] + hf_greedy(load_model(spec), [1, 5, 9], 24)
+    plain = DrafterEngine(spec, steering_checkpoint=str(tmp_path / "steering"))
+    staged = DrafterEngine(spec, steering_checkpoint=str(tmp_path / "steering"), ngram=NgramSettings(min_ngram=1), staged_lookahead=4)
+    sessions = [engine.open_session("s", context, Sampling(temperature=0.0), "") for engine in (plain, staged)]
+    vectors = torch.Generator().manual_seed(3)
+    new, vector, reused_guesses = [], None, 0
+    for _ in range(10):
+        drafts = []
+        for i, (engine, session) in enumerate(zip((plain, staged), sessions)):
+            drafts.append(engine.draft("s", session, new, len(session.tokens) + len(new), 6, TreeShape("chain"), steering=vector).tree.token_ids)
+        assert drafts[1] == drafts[0]
+        # Commit the whole draft and then, where the staged drafter fed a guess after it, that
+        # guess: the very case where reusing a guess would keep rows made under the old vector.
+        fed, node = sessions[1].fed_tree, ROOT
+        for token in drafts[0]:
+            node = next((c for c in fed.children(node) if fed.token_ids[c] == token), None)
+            if node is None:
+                break
+        after = [fed.token_ids[c] for c in fed.children(node)] if node is not None else []
+        reused_guesses += bool(after)
+        new = drafts[0] + (after[:1] or [7]) + [3]
+        vector = torch.randn(32, generator=vectors)
+    assert reused_guesses, "the case under test never came up"
+    assert sessions[1].forward_passes < sessions[0].forward_passes

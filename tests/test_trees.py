@@ -170,8 +170,8 @@ def test_lattice_keeps_the_best_prefixes_of_the_chain_lattice_and_rescoring_move
     logq = [draft[ROOT_TOKEN].log()] + [draft[t].log() for t in chain[:2]]
     scores = {seq: sum(float(logq[d][t]) for d, t in enumerate(seq)) for length in (1, 2, 3) for seq in itertools.product(range(VOCAB), repeat=length)}
     assert paths(tree) == set(sorted(scores, key=lambda s: -scores[s])[:5])
-    # An n-gram LM that likes token 0 everywhere pulls paths of zeros in.
-    liked = builder_for(TreeShape("lattice-ngram", width=VOCAB, max_depth=3), rescore=lambda path, token: 0.0 if token == 0 else -20.0)
+    # A rescorer that likes token 0 everywhere pulls paths of zeros in.
+    liked = builder_for(TreeShape("lattice-ngram", width=VOCAB, max_depth=3), rescore=lambda path, token, logq: logq + (0.0 if token == 0 else -20.0))
     assert paths(liked.build(table_expand(draft, False), 3, None)) == {(0,), (0, 0), (0, 0, 0)}
 
 

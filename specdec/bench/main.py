@@ -304,6 +304,7 @@ def run_bench(args) -> int:
                     "seconds_per_prompt": tally.seconds,
                 }
                 row["speedup_vs_autoregressive"] = row["vs_autoregressive"]["ratio"]
+                row["vs_autoregressive_by_category"] = _ratio_by_category(tally, alone, [p["category"] for p in prompts])
                 if temperature == 0:
                     # Exactness is against the served verifier alone; for float32 weights also generate().
                     row["greedy_matches_verifier_alone"] = _share_equal(tally.outputs, alone.outputs)
@@ -343,8 +344,29 @@ def run_bench(args) -> int:
         written.append(out.with_name(out.stem + "_trees.png"))
         plot_acceptance_by_budget(results, written[-1])
     print(format_table(results))
+    if len({p["category"] for p in prompts}) > 1:
+        print(format_by_category(results))
     print("wrote " + ", ".join(map(str, written)))
     return 0
+
+
+def _ratio_by_category(tally: Tally, alone: Tally, categories: list[str]) -> dict[str, float]:
+    """tokens/s over the verifier alone's, within each category's prompts."""
+    ratios = {}
+    for category in dict.fromkeys(categories):
+        mine = [i for i, c in enumerate(categories) if c == category]
+        rate = sum(tally.tokens[i] for i in mine) / sum(tally.seconds[i] for i in mine)
+        ratios[category] = rate / (sum(alone.tokens[i] for i in mine) / sum(alone.seconds[i] for i in mine))
+    return ratios
+
+
+def format_by_category(results: list[dict]) -> str:
+    categories = sorted(results[0]["vs_autoregressive_by_category"])
+    lines = ["| method | T | " + " | ".join(categories) + " |", "|---|---|" + "---|" * len(categories)]
+    for r in results:
+        by = r["vs_autoregressive_by_category"]
+        lines.append(f"| {r['name']} | {r['temperature']:g} | " + " | ".join(f"{by[c]:.2f}x" for c in categories) + " |")
+    return "\n".join(lines)
 
 
 def _drafter_args(entry: str, config) -> dict:

@@ -11,7 +11,7 @@ def add_tree_arguments(parser: argparse.ArgumentParser, with_method: bool = True
     if with_method:
         parser.add_argument("--tree", choices=TREE_METHODS, help="how the drafter spends the budget (default: the config's)")
     parser.add_argument("--tree-branching", help="static, rsd-c: children per node at depth 1, 2, ..., e.g. 4,2,2")
-    parser.add_argument("--tree-width", type=int, help="dynamic: nodes expanded per depth and children each; rsd-s: beam width")
+    parser.add_argument("--tree-width", type=int, help="dynamic: nodes expanded per depth and children each; rsd-s: beam width; lattice: tokens per depth")
     parser.add_argument("--tree-depth", type=int, help="deepest level drafted (0 = as deep as the budget allows)")
     parser.add_argument(
         "--ngram", choices=("none", *NGRAM_METHODS),
