@@ -26,10 +26,18 @@ from dataclasses import dataclass
 class Plan:
     budget: int  # draft tree nodes per round; 0 = the verifier alone
     method: str = "chain"
+    ngram: str = ""  # n-gram candidates merged into the drafter model's (hybrid); "" = the request's
 
     @property
     def label(self) -> str:
-        return "fused" if self.budget == 0 else f"{self.method}-{self.budget}"
+        if self.budget == 0:
+            return "fused"
+        return f"{self.method}-{self.budget}" + (f"+{self.ngram}" if self.ngram else "")
+
+    @property
+    def profiled(self) -> bool:
+        """A plain chain: all of them share one acceptance profile by depth."""
+        return self.method == "chain" and not self.ngram
 
 
 @dataclass
@@ -124,8 +132,8 @@ class BudgetController:
         (reach[d-1] / reach[d-2]), so the rarely measured depths of a long chain do not
         look perfect; a tree starts at twice what the best chain is expected to accept
         (at most a quarter of its nodes, at least 1)."""
-        if plan.method != "chain":
-            chains = [self.expected_accepted(p) for p in self.plans if p.method == "chain" and p.budget]
+        if not plan.profiled:
+            chains = [self.expected_accepted(p) for p in self.plans if p.profiled and p.budget]
             prior = max(1.0, min(plan.budget / 4, 2 * max(chains))) if chains else max(plan.budget / 4, 1.0)
             return self.tree_accepted[plan].value_with(prior, self.PRIOR_WEIGHT)
         total, reach, previous = 0.0, 1.0, 1.0
@@ -167,7 +175,7 @@ class BudgetController:
             self.draft_wire_ms.add(report.draft_wire_ms)
             self.draft_ms[plan].add(report.draft_ms)
             self.verify_ms.add(report.verified_tokens, report.verify_ms)
-            if plan.method == "chain":
+            if plan.profiled:
                 for d in range(1, report.depth + 1):
                     self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
             else:

@@ -155,7 +155,7 @@ def decode_rounds(
         depth = min(shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
         draft = None
         if plan.budget and depth > 0 and session.can_draft and standby.ready():
-            round_shape = replace(shape, method=plan.method, max_depth=depth)
+            round_shape = replace(shape, method=plan.method, max_depth=depth, ngram=plan.ngram or shape.ngram)
             if ahead is not None:  # its guess came true: this round's draft is ready
                 (draft, draft_call, plan), ahead = ahead, None
                 exposed_draft_ms = exposed_wire_ms = 0.0

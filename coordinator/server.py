@@ -39,6 +39,7 @@ class Coordinator:
         self.steering_problem = pair.steering_problem()  # None = the pair can steer; fixed at start
         adaptive = config.adaptive
         plans = [Plan(0)] + [Plan(b) for b in adaptive.chain_budgets] + [Plan(b, adaptive.tree_method) for b in adaptive.tree_budgets]
+        plans += [Plan(b, "chain", adaptive.hybrid_ngram) for b in adaptive.hybrid_budgets]
         # Greedy and sampled decoding accept differently, and overlap hides the drafter's
         # cost: one cost model for each combination.
         self.verify_costs = VerifyCosts()  # what the verifier's calls cost, by size: n-gram drafts are cut to it

@@ -220,6 +220,18 @@ def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, me
     assert forwards[staged] < forwards[plain]
 
 
+def test_the_adaptive_controller_runs_hybrid_plans_exactly(tiny_dirs, tiny_verifier):
+    config = tiny_config(tiny_dirs, adaptive={"chain_budgets": [2], "tree_budgets": [], "hybrid_budgets": [4]})
+    ids = [11, 4, 8, 12, 6, 11, 4, 8]
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        response = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=40, adaptive=True))
+        client.close()
+    assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40)
+    assert response.stats.plan_rounds["chain-4+suffix"] >= 1  # every plan is tried at least once
+    assert set(response.stats.plan_rounds) <= {"fused", "chain-2", "chain-4+suffix"}
+
+
 def test_each_request_chooses_its_ngram_candidates(tiny_dirs, tiny_verifier):
     """tree.ngram per request: a model drafter drafts alone, or merges prompt-lookup or
     suffix candidates into its drafts; a drafter without a model refuses `none`."""

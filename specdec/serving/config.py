@@ -17,7 +17,7 @@ from specdec.core.hub import BUILTIN_DRAFTER, BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec
 from specdec.core.ngram import NgramSettings, is_model_free
 from specdec.core.steering import is_steering_checkpoint_for
-from specdec.core.tree import MAX_DRAFT_NODES, TREE_METHODS, TreeShape
+from specdec.core.tree import MAX_DRAFT_NODES, NGRAM_METHODS, TREE_METHODS, TreeShape
 from specdec.serving.latency_proxy import LinkSettings
 
 
@@ -69,6 +69,8 @@ class AdaptiveConfig:
     chain_budgets: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     tree_budgets: list[int] = field(default_factory=lambda: [16, 32])
     tree_method: str = "rsd-s"  # shaped by coordinator.tree's branching/width
+    hybrid_budgets: list[int] = field(default_factory=list)  # chains with n-gram candidates merged in
+    hybrid_ngram: str = "suffix"  # the n-gram method of those plans
     revisit_every: int = 64  # every this many rounds, the plan measured longest ago is tried again
 
 
@@ -136,10 +138,11 @@ class Config:
             (0 <= self.coordinator.port < 65536, "coordinator.port must be in [0, 65535]"),
             (self.drafter.proposal_top_k >= 1, "drafter.proposal_top_k must be >= 1"),
             (
-                all(1 <= b <= MAX_DRAFT_NODES for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets),
+                all(1 <= b <= MAX_DRAFT_NODES for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets + self.coordinator.adaptive.hybrid_budgets),
                 f"coordinator.adaptive budgets must be in [1, {MAX_DRAFT_NODES}]",
             ),
             (self.coordinator.adaptive.tree_method in TREE_METHODS, f"coordinator.adaptive.tree_method must be one of {', '.join(TREE_METHODS)}"),
+            (self.coordinator.adaptive.hybrid_ngram in NGRAM_METHODS, f"coordinator.adaptive.hybrid_ngram must be one of {', '.join(NGRAM_METHODS)}"),
             (self.coordinator.adaptive.revisit_every >= 2, "coordinator.adaptive.revisit_every must be >= 2"),
         ]
         for name in ("drafter", "verifier"):
