@@ -36,6 +36,9 @@ class Coordinator:
         self.eos_ids = set(info.eos_token_ids)
         self.vocab_size = info.vocab_size
         self.max_context = info.max_context
+        # No token spans more characters than the longest in the vocabulary, so a text prompt
+        # longer than this cannot fit the context: refused before it is tokenized.
+        self.max_prompt_chars = self.max_context * max(len(t) for t in self.tokenizer.get_vocab())
         self.steering_problem = pair.steering_problem()  # None = the pair can steer; fixed at start
         adaptive = config.adaptive
         plans = [Plan(0)] + [Plan(b) for b in adaptive.chain_budgets] + [Plan(b, adaptive.tree_method) for b in adaptive.tree_budgets]
@@ -62,6 +65,8 @@ class Coordinator:
             if bad:
                 raise invalid(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         elif request.prompt:
+            if len(request.prompt) > self.max_prompt_chars:
+                raise invalid(f"the prompt has {len(request.prompt)} characters, more than the verifier's context of {self.max_context} tokens can hold")
             if request.use_chat_template:
                 if not self.tokenizer.chat_template:
                     raise invalid("use_chat_template: the verifier's tokenizer has no chat template")
@@ -87,6 +92,10 @@ class Coordinator:
             raise invalid(str(err)) from None
         if any(not s for s in request.stop):
             raise invalid("stop strings must not be empty")
+        if len(request.stop) > self.config.max_stop_strings:
+            raise invalid(f"{len(request.stop)} stop strings; at most {self.config.max_stop_strings}")
+        if any(len(s) > self.config.max_stop_string_chars for s in request.stop):
+            raise invalid(f"a stop string is longer than {self.config.max_stop_string_chars} characters")
         budget = request.num_draft_tokens if request.HasField("num_draft_tokens") else self.config.num_draft_tokens
         if not 0 <= budget <= MAX_DRAFT_NODES:
             raise invalid(f"num_draft_tokens must be in [0, {MAX_DRAFT_NODES}] (0 = verifier only), got {budget}")

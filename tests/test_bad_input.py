@@ -54,6 +54,9 @@ def still_serving(coordinator):
         ({"prompt_token_ids": [1, -4]}, ["prompt_token_ids", "vocabulary"]),
         ({"prompt": "w1", "prompt_token_ids": [1]}, ["only one of prompt and prompt_token_ids"]),
         ({"prompt": "w1", "stop": [""]}, ["stop"]),
+        ({"prompt": "w1", "stop": ["x"] * 17}, ["17 stop strings", "at most 16"]),
+        ({"prompt": "w1", "stop": ["x" * 257]}, ["longer than 256 characters"]),
+        ({"prompt": "w1 " * 10**6}, ["characters, more than the verifier's context"]),
         ({"prompt": "w1", "num_draft_tokens": -1}, ["num_draft_tokens"]),
         ({"prompt": "w1", "tree": common_pb2.TreeShape(method="beam")}, ["tree method must be one of", "rsd-s"]),
         ({"prompt": "w1", "tree": common_pb2.TreeShape(method="static", branching=[2, 0])}, ["branching"]),
@@ -107,6 +110,18 @@ def test_malformed_draft_sent_to_the_verifier(clients, tree, phrases):
     expect_error(lambda: _verify(verifier, session_id="bad-tree", round=1, start=_start(temperature=1.0), tree=tree), INVALID, *phrases)
     reply, _ = _verify(verifier, session_id="bad-tree", round=1, start=_start(temperature=1.0), tree=_tree([3], [-1], [(-1, [3], [1.0])]))
     assert reply.committed_length >= 4
+
+
+def test_oversized_verify_calls_are_refused_before_any_work(clients):
+    """A tree over max_tree_nodes (256) or fused_tokens over max_fused_tokens (64) is refused
+    before the session it starts is opened, so nothing is held for it."""
+    coordinator, verifier, _ = clients
+    huge = common_pb2.DraftTree(token_ids=[3] * 100_000, parent=[-1] * 100_000)
+    expect_error(lambda: _verify(verifier, session_id="huge", round=1, start=_start(), tree=huge), INVALID, "100000 nodes", "at most 256")
+    expect_error(lambda: _verify(verifier, session_id="huge", round=1, start=_start(), fused_tokens=10**6), INVALID, "fused_tokens is 1000000", "at most 64")
+    ended, _ = verifier.call("EndSession", common_pb2.EndSessionRequest(session_id="huge"), common_pb2.EndSessionResponse)
+    assert not ended.existed
+    still_serving(coordinator)
 
 
 def test_mismatched_proposal_arrays(clients):

@@ -31,6 +31,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         start = time.perf_counter()
         if not request.session_id:
             raise invalid("session_id is empty")
+        self.engine.check_sizes(len(request.tree.token_ids), len(request.tree.parent), request.fused_tokens)
         if request.HasField("start"):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
             session = self.compute.run(
@@ -39,8 +40,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         else:
             session = self.engine.sessions.get(request.session_id)
         tree = tree_from_proto(request.tree)
-        if request.fused_tokens and len(tree):
-            raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
         result = self.compute.run(self.engine.verify, session, request.round, tree, request.fused_tokens, request.steering, request.features)
         return verifier_pb2.VerifyResponse(
             token_ids=result.token_ids,
@@ -67,7 +66,8 @@ def start(config, steering_checkpoint: str | None = None, feature_checkpoint: st
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
-        VerifierEngine, config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, steering_checkpoint, feature_checkpoint
+        VerifierEngine, config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, steering_checkpoint, feature_checkpoint,
+        config.max_fused_tokens,
     )
     servicer = VerifierServicer(engine, compute)
     server, bound, _ = start_server(

@@ -67,7 +67,7 @@ class VerifierSession:
 class VerifierEngine:
     def __init__(
         self, spec: ModelSpec, max_sessions: int = 64, session_ttl_s: float = 600.0, max_tree_nodes: int = 256,
-        steering_checkpoint: str | None = None, feature_checkpoint: str | None = None,
+        steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, max_fused_tokens: int = 64,
     ):
         self.spec = spec
         self.model = load_model(spec)
@@ -78,6 +78,7 @@ class VerifierEngine:
         self.eos_ids = set(eos_token_ids(self.model, self.tokenizer))
         self.max_context = max_context(self.model)
         self.max_tree_nodes = max_tree_nodes
+        self.max_fused_tokens = max_fused_tokens
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.sessions: SessionStore[VerifierSession] = SessionStore(max_sessions, session_ttl_s)
         self._model_lock = threading.Lock()  # one forward pass at a time on a shared model
@@ -89,6 +90,16 @@ class VerifierEngine:
         if feature_checkpoint:
             self.fuse, self.feature_fingerprint = load_feature_fuse(feature_checkpoint, self.model), feature_fingerprint(feature_checkpoint)
         self.feature_size = self.model.config.hidden_size if self.fuse else 0
+
+    def check_sizes(self, num_nodes: int, num_parents: int, fused_tokens: int) -> None:
+        """The size limits of a Verify call, checked before any work (a session opened, a tree
+        read): a tree of at most max_tree_nodes, or at most max_fused_tokens verifier tokens."""
+        if max(num_nodes, num_parents) > self.max_tree_nodes:
+            raise invalid(f"tree has {max(num_nodes, num_parents)} nodes; this verifier takes at most {self.max_tree_nodes}")
+        if fused_tokens > self.max_fused_tokens:
+            raise invalid(f"fused_tokens is {fused_tokens}; this verifier generates at most {self.max_fused_tokens} per call")
+        if fused_tokens and num_nodes:
+            raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
 
     def open_session(self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
@@ -110,6 +121,7 @@ class VerifierEngine:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"round {round_number} out of order: the session's last round was {session.last_round}",
                 )
+            self.check_sizes(len(tree), len(tree.parent), fused_tokens)
             try:
                 tree.validate(self.vocab_size)
             except MalformedTree as err:
@@ -118,8 +130,6 @@ class VerifierEngine:
                 raise invalid("steering was asked for, but this verifier has no steering checkpoint loaded (the config's steering_checkpoint)")
             if features and self.fuse is None:
                 raise invalid("features were asked for, but this verifier has no feature head checkpoint loaded (a feature-head drafter's directory)")
-            if len(tree) > self.max_tree_nodes:
-                raise invalid(f"tree has {len(tree)} nodes; this verifier takes at most {self.max_tree_nodes}")
             if len(session.tokens) + len(tree) + max(fused_tokens, 1) > self.max_context:
                 raise ServiceError(
                     grpc.StatusCode.OUT_OF_RANGE,

@@ -49,7 +49,8 @@ class DrafterConfig(ServiceConfig):
 
 @dataclass
 class VerifierConfig(ServiceConfig):
-    max_tree_nodes: int = 256
+    max_tree_nodes: int = 256  # the largest draft tree one call may send
+    max_fused_tokens: int = 64  # the most tokens one verifier-only call may ask for
 
 
 @dataclass
@@ -83,6 +84,8 @@ class CoordinatorConfig:
     fused_block_tokens: int = 8  # tokens per call when the verifier generates alone
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 2048
+    max_stop_strings: int = 16  # stop strings per request
+    max_stop_string_chars: int = 256  # characters per stop string
     request_timeout_s: float = 120.0
     # Where the services listen when run without Ray (host:port); under Ray Serve the
     # coordinator asks the deployments.
@@ -130,7 +133,14 @@ class Config:
         checks = [
             (self.coordinator.num_draft_tokens >= 0, "coordinator.num_draft_tokens must be >= 0 (0 = verifier only)"),
             (self.coordinator.fused_block_tokens >= 1, "coordinator.fused_block_tokens must be >= 1"),
+            (self.verifier.max_tree_nodes >= 1, "verifier.max_tree_nodes must be >= 1"),
+            (
+                self.coordinator.fused_block_tokens <= self.verifier.max_fused_tokens,
+                "coordinator.fused_block_tokens must be <= verifier.max_fused_tokens",
+            ),
             (self.coordinator.max_new_tokens_cap >= 1, "coordinator.max_new_tokens_cap must be >= 1"),
+            (self.coordinator.max_stop_strings >= 0, "coordinator.max_stop_strings must be >= 0"),
+            (self.coordinator.max_stop_string_chars >= 1, "coordinator.max_stop_string_chars must be >= 1"),
             (
                 1 <= self.coordinator.default_max_new_tokens <= self.coordinator.max_new_tokens_cap,
                 "coordinator.default_max_new_tokens must be in [1, max_new_tokens_cap]",
