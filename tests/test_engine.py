@@ -205,3 +205,26 @@ def test_a_reopened_int8_session_decodes_on_exactly_as_before(tiny_dirs):
     assert later == tokens[10:20]
     with pytest.raises(Exception, match="prompt_length 99 exceeds"):
         verifier.open_session("c", prompt, greedy, prompt_length=99)
+
+
+def test_sampling_goes_on_exactly_after_a_reopen_with_fresh_random_numbers(tiny_dirs):
+    """Each position draws from its own generator, seeded by (seed, position): a session
+    re-opened mid-request samples what the first would have (no random number spent twice),
+    and the same positions under another seed sample differently."""
+    from specdec.core.models import ModelSpec
+    from specdec.core.sampling import Sampling, position_generator
+    from specdec.core.tree import DraftTree
+    from verifier_service.verifier import VerifierEngine
+
+    verifier = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"])))
+    prompt, hot = [1, 5, 9], Sampling(1.5, 1.0, 0, 11)
+    one_go = verifier.verify(verifier.open_session("a", prompt, hot), 1, DraftTree(), 12).token_ids
+    piecewise = []
+    for i in range(4):  # a restart after every three tokens: each time a new session, round 1
+        reopened = verifier.open_session(f"r{i}", prompt + piecewise, hot, prompt_length=len(prompt))
+        piecewise += verifier.verify(reopened, 1, DraftTree(), 3).token_ids
+    assert piecewise == one_go
+    other_seed = verifier.verify(verifier.open_session("b", prompt, Sampling(1.5, 1.0, 0, 12)), 1, DraftTree(), 12).token_ids
+    assert other_seed != one_go
+    draws = [float(torch.rand((), generator=position_generator(11, p))) for p in (3, 3, 4)]
+    assert draws[0] == draws[1] != draws[2]

@@ -26,6 +26,7 @@ from specdec.core.sampling import (
     Sampling,
     accept_greedy,
     accept_sampled,
+    position_generator,
     sample,
     warp_probs,
 )
@@ -52,7 +53,6 @@ class RoundResult:
 class VerifierSession:
     tokens: list[int]  # the committed context
     sampling: Sampling
-    generator: torch.Generator
     cache: KVCache | TransformersCache
     last_round: int = 0
     last_result: RoundResult | None = None
@@ -105,8 +105,7 @@ class VerifierEngine:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
         if prompt_length > len(context):
             raise invalid(f"start.prompt_length {prompt_length} exceeds the context's {len(context)} tokens")
-        generator = torch.Generator().manual_seed(sampling.seed)
-        session = VerifierSession(list(context), sampling, generator, self.engine.new_cache(), prompt_length=prompt_length or len(context))
+        session = VerifierSession(list(context), sampling, self.engine.new_cache(), prompt_length=prompt_length or len(context))
         self.sessions.put(session_id, session)
         return session
 
@@ -163,10 +162,10 @@ class VerifierEngine:
         """(logits of the last num_logits positions, hidden states of every layer or None)."""
         return self.engine(session.cache, input_ids, num_logits, hidden_states=hidden, **masking)
 
-    def _choose(self, session: VerifierSession, logits: torch.Tensor) -> int:
+    def _choose(self, session: VerifierSession, logits: torch.Tensor, position: int) -> int:
         if session.sampling.greedy:
             return int(logits.argmax())
-        return sample(warp_probs(logits, session.sampling), session.generator)
+        return sample(warp_probs(logits, session.sampling), position_generator(session.sampling.seed, position))
 
     def _generate(self, session: VerifierSession, max_tokens: int, hidden: bool) -> tuple[list[int], tuple | None]:
         """The new tokens, and (with `hidden`) every layer's hidden states at the positions read,
@@ -179,7 +178,7 @@ class VerifierEngine:
             logits, states = self._forward(session, pending, 1, hidden)
             if hidden:
                 read.append(tuple(h[0] for h in states))
-            token = self._choose(session, logits[-1])
+            token = self._choose(session, logits[-1], len(session.tokens) + len(new))
             new.append(token)
             if token in self.eos_ids:
                 break
@@ -204,7 +203,8 @@ class VerifierEngine:
         if session.sampling.greedy:
             path, next_token = accept_greedy(tree, logits.argmax(dim=-1).tolist())
         else:
-            path, next_token = accept_sampled(tree, warp_probs(logits, session.sampling), session.generator)
+            rng = position_generator(session.sampling.seed, len(session.tokens))  # the round's first new position
+            path, next_token = accept_sampled(tree, warp_probs(logits, session.sampling), rng)
         committed_len = num_cached + len(pending)
         session.cache.keep_positions(committed_len, [committed_len + node for node in path])
         committed = list(range(len(pending))) + [len(pending) + node for node in path]

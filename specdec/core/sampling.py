@@ -2,6 +2,7 @@
 recursive rejection sampling over a draft tree. Everything here is pure and exact."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,14 @@ def warp_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The random numbers of a sequence sampled with `seed` for the token at `position`: the
+    same whichever call or process draws them (a re-opened session goes on exactly), and
+    never those of another position."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
