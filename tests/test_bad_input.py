@@ -207,3 +207,68 @@ def test_assumed_tokens_outside_the_vocabulary(clients):
     )
     expect_error(lambda: drafter.call("Draft", request, drafter_pb2.DraftResponse), INVALID, "assumed_token_ids", "vocabulary")
     still_serving(clients[0])
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+class _DownstreamError(grpc.RpcError, grpc.Call):
+    """What a failed call to another service raises."""
+
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def initial_metadata(self):
+        return ()
+
+    def trailing_metadata(self):
+        return ()
+
+    def is_active(self):
+        return False
+
+    def time_remaining(self):
+        return None
+
+    def cancel(self):
+        return False
+
+    def add_callback(self, callback):
+        return False
+
+
+def test_failures_reach_the_caller_without_internals(caplog):
+    """An unexpected exception, or another service refusing a call this one made, is this
+    side's fault: INTERNAL with a request id, details only in the log. A downstream status
+    about the request itself (unavailable, deadline, load, context length) is passed on."""
+    from specdec.serving.rpc import reports_errors
+
+    class Servicer:
+        @reports_errors
+        def Call(self, request, context):
+            raise request
+
+    def answer(err):
+        with pytest.raises(_Aborted) as aborted:
+            Servicer().Call(err, _Context())
+        return aborted.value.args
+
+    code, details = answer(KeyError("/secret/path/model.bin"))
+    assert code == grpc.StatusCode.INTERNAL and "request id" in details and "secret" not in details
+    request_id = details.split("request id ")[1].split(")")[0]
+    assert request_id in caplog.text and "secret" in caplog.text
+    code, details = answer(_DownstreamError(INVALID, "tree.parent[3] = 9 must be -1"))
+    assert code == grpc.StatusCode.INTERNAL and "tree.parent" not in details
+    assert answer(_DownstreamError(grpc.StatusCode.UNAVAILABLE, "verifier restarting")) == (grpc.StatusCode.UNAVAILABLE, "verifier restarting")

@@ -8,6 +8,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable
@@ -38,6 +39,14 @@ def invalid(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+# Downstream statuses passed on as they are: they concern the request (its size, its deadline,
+# the load), not a fault between the services.
+RELAYED_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.CANCELLED,
+})
+
+
 def reports_errors(method: Callable) -> Callable:
     """Turns ServiceError (and unexpected failures) into a gRPC status on the call, so one bad
     request never takes the service down. Works for unary and server-streaming handlers."""
@@ -45,10 +54,16 @@ def reports_errors(method: Callable) -> Callable:
     def abort(context, err: Exception):
         if isinstance(err, ServiceError):
             context.abort(err.code, err.message)
-        if isinstance(err, grpc.RpcError) and isinstance(err, grpc.Call):  # a downstream service's answer
+        downstream = isinstance(err, grpc.RpcError) and isinstance(err, grpc.Call)
+        if downstream and err.code() in RELAYED_CODES:  # a downstream service's answer the caller can act on
             context.abort(err.code(), err.details())
-        log.exception("internal error in %s", method.__name__)
-        context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+        # Anything else is this side's fault, not the caller's: no internals in the answer.
+        request_id = uuid.uuid4().hex[:12]
+        if downstream:
+            log.error("request %s: a downstream call in %s failed: %s %s", request_id, method.__name__, err.code().name, err.details())
+        else:
+            log.exception("request %s: internal error in %s", request_id, method.__name__)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); the details are in the service's log")
 
     if inspect.isgeneratorfunction(method):
 
