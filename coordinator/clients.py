@@ -2,17 +2,22 @@
 one retry of an idempotent round."""
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import grpc
 
 from specdec.core.tree import TreeShape
-from specdec.serving.rpc import CallCost, InProcessClient, MeasuredClient
+from specdec.serving.rpc import CallCost, InProcessClient, MeasuredClient, ServiceError
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE, shape_to_proto
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 # Codes after which a service has lost (or never had) the session: re-open with the context.
 _REOPEN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+# EndSession calls in flight: held until they finish, since a dropped future may be cancelled.
+_ending: set = set()
+_ending_lock = threading.Lock()
 
 
 class PairMismatch(RuntimeError):
@@ -84,9 +89,10 @@ class PairSession:
 
     def __init__(
         self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int], steering: bool = False,
-        features: bool = False,
+        features: bool = False, deadline: float | None = None,
     ):
         self.pair = pair
+        self.deadline = deadline  # time.monotonic() by which the request must be answered; None = none
         self.session_id = session_id
         self.sampling = sampling
         self.context = list(context)
@@ -195,12 +201,25 @@ class PairSession:
         """Frees the session on both sides without waiting for the answers."""
         end = common_pb2.EndSessionRequest(session_id=self.session_id)
         for client in (self.pair.drafter, self.pair.verifier):
-            client.call_async("EndSession", end)
+            future = client.call_async("EndSession", end)
+            if future is not None:
+                with _ending_lock:
+                    _ending.add(future)
+                future.add_done_callback(_ended)
+
+    def _timeout(self) -> float:
+        """What a call may take: the pair's limit, within what is left of the request's deadline."""
+        if self.deadline is None:
+            return self.pair.timeout_s
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        return min(self.pair.timeout_s, left)
 
     def _call(self, client: MeasuredClient, method: str, response_type, build, reopen: bool):
         request = build(reopen)
         try:
-            reply, cost = client.call(method, request, response_type, timeout=self.pair.timeout_s)
+            reply, cost = client.call(method, request, response_type, timeout=self._timeout())
         except grpc.RpcError as err:
             if err.code() in _REOPEN and not reopen:
                 request = build(True)
@@ -208,5 +227,10 @@ class PairSession:
                 pass  # the same round again: the service never commits a round twice
             else:
                 raise
-            reply, cost = client.call(method, request, response_type, timeout=self.pair.timeout_s)
+            reply, cost = client.call(method, request, response_type, timeout=self._timeout())
         return reply, ServiceCall(reply.compute_ms, cost)
+
+
+def _ended(future) -> None:
+    with _ending_lock:
+        _ending.discard(future)

@@ -3,9 +3,10 @@ round loop driven once per request (streamed or not)."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
 
 from coordinator.budget import BudgetController, Plan, VerifyCosts
 from coordinator.clients import PairSession, ServicePair
@@ -117,8 +118,12 @@ class Coordinator:
         # With the verifier alone there is no drafter to steer.
         return max_new, budget, shape, adaptive, overlap, steering and (adaptive or budget > 0)
 
-    def generate(self, request: coordinator_pb2.GenerateRequest) -> Iterator[coordinator_pb2.GenerateResponse]:
-        """One response per round with the new tokens and text; the last has finish_reason and stats."""
+    def generate(
+        self, request: coordinator_pb2.GenerateRequest, deadline: float | None = None, alive: Callable[[], bool] = lambda: True
+    ) -> Iterator[coordinator_pb2.GenerateResponse]:
+        """One response per round with the new tokens and text; the last has finish_reason and
+        stats. Every internal call gets what is left before `deadline` (time.monotonic()); the
+        rounds stop once `alive()` is false (the client went away), and both sides are freed."""
         max_new, budget, shape, adaptive, overlap, steering = self.check_request(request)
         prompt = self.prompt_ids(request)
         max_new = min(max_new, self.max_context - len(prompt) - max(budget, self.largest_budget if adaptive else 0) - 1)
@@ -129,7 +134,7 @@ class Coordinator:
             seed=request.seed,
         )
         features = self.pair.features and (adaptive or budget > 0)
-        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, steering, features)
+        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, steering, features, deadline)
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
         meter = Meter()
         try:
@@ -139,6 +144,8 @@ class Coordinator:
                 output.add(committed)
                 if output.finish_reason:
                     break
+                if not alive():
+                    return
                 tokens, text = output.take_delta()
                 yield coordinator_pb2.GenerateResponse(text=text, token_ids=tokens)
             output.end("length")
@@ -161,7 +168,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @reports_errors
     def Generate(self, request, context):
         text, tokens, last = [], [], None
-        for last in self.coordinator.generate(request):
+        for last in self.coordinator.generate(request, *_bounds(context)):
             text.append(last.text)
             tokens.extend(last.token_ids)
         return coordinator_pb2.GenerateResponse(
@@ -170,7 +177,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @reports_errors
     def GenerateStream(self, request, context):
-        yield from self.coordinator.generate(request)
+        yield from self.coordinator.generate(request, *_bounds(context))
+
+
+def _bounds(context) -> tuple[float | None, Callable[[], bool]]:
+    """The call's deadline (time.monotonic(); None = none) and whether its client is still there."""
+    left = context.time_remaining()
+    return (None if left is None else time.monotonic() + left), context.is_active
 
 
 def serve(coordinator: Coordinator, host: str, port: int):

@@ -44,3 +44,56 @@ def test_a_request_outlives_its_drafter_and_speculation_returns_with_it(tiny_dir
         for server in (c_server, d_server, v_server):
             server.stop(grace=None)
         coord.pair.close()
+
+
+def _sessions_held(addresses: list[str]) -> list[int]:
+    from specdec.serving.rpc import MeasuredClient
+    from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
+    from specdec.v1 import common_pb2
+
+    held = []
+    for address, service in zip(addresses, (DRAFTER_SERVICE, VERIFIER_SERVICE)):
+        client = MeasuredClient(address, service)
+        held.append(client.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo)[0].active_sessions)
+        client.close()
+    return held
+
+
+def _until(condition, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_deadlines_and_cancellation_stop_the_rounds_and_free_both_sides(tiny_dirs):
+    """Behind 40 ms links a 400-token request takes many seconds. A client deadline of 0.8 s
+    ends it (every internal call gets only what is left), a cancelled stream stops its rounds,
+    and either way neither service holds a session of it a moment later."""
+    import grpc
+
+    from tests.conftest import local_stack
+
+    link = {"rtt_ms": 40}
+    config = tiny_config(tiny_dirs, num_draft_tokens=3, network={"drafter": link, "verifier": link})
+    with local_stack(config) as stack:
+        services = [stack["drafter"], stack["verifier"]]
+        client = CoordinatorClient(stack["coordinator"])
+        request = generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=400)
+        started = time.monotonic()
+        try:
+            client.stub.Generate(request, timeout=0.8)
+            raise AssertionError("the request should not finish within its deadline")
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _until(lambda: _sessions_held(services) == [0, 0], 1.5), _sessions_held(services)
+        assert time.monotonic() - started < 3.0
+
+        stream = client.stub.GenerateStream(request)
+        next(stream), next(stream)
+        assert _sessions_held(services) == [1, 1]
+        stream.cancel()
+        assert _until(lambda: _sessions_held(services) == [0, 0], 1.5), _sessions_held(services)
+        client.close()

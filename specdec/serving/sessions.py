@@ -43,6 +43,11 @@ class SessionStore(Generic[State]):
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._items)
+
     def pop(self, session_id: str) -> State | None:
         with self._lock:
             item = self._items.pop(session_id, None)

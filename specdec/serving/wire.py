@@ -57,6 +57,7 @@ def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
         steering_fingerprint=engine.steering_fingerprint,
         feature_size=engine.feature_size,
         feature_fingerprint=engine.feature_fingerprint,
+        active_sessions=len(engine.sessions),
     )
 
 
