@@ -97,3 +97,44 @@ def test_deadlines_and_cancellation_stop_the_rounds_and_free_both_sides(tiny_dir
         stream.cancel()
         assert _until(lambda: _sessions_held(services) == [0, 0], 1.5), _sessions_held(services)
         client.close()
+
+
+def test_a_stopping_server_says_not_serving_and_finishes_its_streams(tiny_dirs, tiny_verifier):
+    """Graceful shutdown: health turns NOT_SERVING at once, a new request is refused, and a
+    stream already in flight runs to its end within the grace period."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.serving.rpc import stop_gracefully
+    from specdec.serving.wire import COORDINATOR_SERVICE
+
+    link = {"rtt_ms": 20}
+    config = config_from_dict(tiny_config(tiny_dirs, num_draft_tokens=3, network={"drafter": link, "verifier": link}))
+    config.coordinator.port = 0
+    v_server, v_port = verifier_service.server.start(config.verifier)
+    d_server, d_port = drafter_service.server.start(config.drafter)
+    c_server, c_port, coord = coordinator.server.start(config, f"localhost:{d_port}", f"localhost:{v_port}")
+    client = CoordinatorClient(f"localhost:{c_port}")
+    health = health_pb2_grpc.HealthStub(client.channel)
+    try:
+        prompt = [1, 4, 5]
+        stream = client.stream(generate_request(prompt_token_ids=prompt, max_new_tokens=60))
+        tokens = list(next(stream).token_ids)
+        stopped = stop_gracefully(c_server, drain_s=0.5, grace_s=20)
+        status = health.Check(health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE)).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        last = None
+        for last in stream:
+            tokens += list(last.token_ids)
+        assert last.finish_reason and tokens == hf_greedy(tiny_verifier, prompt, 60)
+        assert stopped.wait(10)
+        try:
+            client.generate(generate_request(prompt_token_ids=prompt, max_new_tokens=4), timeout=5)
+            raise AssertionError("a stopped server answered")
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        client.close()
+        for server in (c_server, d_server, v_server):
+            server.stop(grace=None)
+        coord.pair.close()

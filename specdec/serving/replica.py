@@ -5,6 +5,8 @@ from __future__ import annotations
 import grpc
 import ray
 
+from specdec.serving.rpc import stop_gracefully
+
 
 class GrpcReplica:
     def _serving(self, server: grpc.Server, port: int) -> None:
@@ -17,4 +19,4 @@ class GrpcReplica:
 
     def __del__(self):
         if hasattr(self, "server"):
-            self.server.stop(grace=1)
+            stop_gracefully(self.server)

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import uuid
+import weakref
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable
@@ -109,7 +110,30 @@ def start_server(
     health_servicer.set("", status)
     if health_service:
         health_servicer.set(health_service, status)
+    _health_of[server] = health_servicer
     return server, bound, health_servicer
+
+
+_health_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # server -> its health servicer
+SHUTDOWN_DRAIN_S = 2.0  # NOT_SERVING, still answering, so health checkers notice before calls are refused
+SHUTDOWN_GRACE_S = 30.0  # then how long calls in flight may take to finish
+
+
+def stop_gracefully(server: grpc.Server, drain_s: float = SHUTDOWN_DRAIN_S, grace_s: float = SHUTDOWN_GRACE_S) -> threading.Event:
+    """Health turns NOT_SERVING at once; after `drain_s` new calls are refused and calls in
+    flight get `grace_s` more to finish. Returns at once: the event is set once it stopped."""
+    health_servicer = _health_of.get(server)
+    if health_servicer is not None:
+        health_servicer.enter_graceful_shutdown()
+    stopped = threading.Event()
+
+    def stop() -> None:
+        time.sleep(drain_s)
+        server.stop(grace=grace_s).wait()
+        stopped.set()
+
+    threading.Thread(target=stop, name="graceful-stop", daemon=True).start()
+    return stopped
 
 
 def serve_until_terminated(server: grpc.Server) -> None:
@@ -120,7 +144,7 @@ def serve_until_terminated(server: grpc.Server) -> None:
         stop.wait()
     except KeyboardInterrupt:
         pass
-    server.stop(grace=2).wait()
+    stop_gracefully(server).wait()
 
 
 def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:
