@@ -105,6 +105,7 @@ class PairSession:
         self._feature_rows = bytearray()
         self._feature_count = self._drafter_features = 0
         self._drafter_seen: int | None = None  # context length the drafter has; None = not open
+        self._drafter_round = 0
         self._verifier_round = 0
         self._verifier_open = False
 
@@ -118,11 +119,14 @@ class PairSession:
         context = self.context[:context_length]
         steering = self.steering_vector  # the first round, before any vector exists, is unsteered
         feature_count = self._feature_count  # a verify call in flight may add more meanwhile
-        sent_features = 0
+        sent_features = sent_round = 0
 
         def request(reopen: bool) -> drafter_pb2.DraftRequest:
+            nonlocal sent_round
+            sent_round = 1 if reopen else self._drafter_round + 1  # a retry sends the same number
             message = drafter_pb2.DraftRequest(
                 session_id=self.session_id,
+                round=sent_round,
                 committed_length=len(context),
                 num_draft_tokens=num_tokens,
                 tree_shape=shape_to_proto(shape),
@@ -149,7 +153,7 @@ class PairSession:
             return message
 
         reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None)
-        self._drafter_seen = len(context)
+        self._drafter_seen, self._drafter_round = len(context), sent_round
         self._drafter_features = max(self._drafter_features, feature_count)
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
         call.feature_bytes, call.forward_passes = sent_features, reply.forward_passes

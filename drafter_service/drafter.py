@@ -72,6 +72,9 @@ class DrafterSession:
     forward_passes: int = 0  # model forwards run for this session
     # The last n-gram draft and its proposer, which learns from the tokens committed after it.
     lesson: tuple[NgramProposer, NgramDraft] | None = None
+    # The last call's round number and answer: a retried round gets the same answer again.
+    last_round: int = 0
+    last_draft: "Draft | None" = None
 
 
 @dataclass
@@ -180,13 +183,16 @@ class DrafterEngine:
         steering: torch.Tensor | None = None,
         features: tuple[int, torch.Tensor] | None = None,
         pick_excludes: list[int] = (),
+        round_number: int = 0,
     ) -> Draft:
         """Commits new_tokens and drafts a tree of at most num_tokens nodes after the context.
         With `assumed` tokens (overlapped drafting) the tree is drafted after the context plus
         those tokens plus the drafter's own pick of the next one (its likeliest outside
         `pick_excludes`), all uncommitted. A steering
         vector steers every token this call feeds; `features` (first position, rows) are the
-        verifier's, for a drafter that reads them."""
+        verifier's, for a drafter that reads them. A call repeating the session's last
+        `round_number` (a retry after a lost answer) gets that round's draft again and commits
+        nothing twice; 0 = unnumbered."""
         if not 1 <= num_tokens <= self.max_draft_tokens:
             raise invalid(f"num_draft_tokens must be in [1, {self.max_draft_tokens}], got {num_tokens}")
         try:
@@ -199,6 +205,8 @@ class DrafterEngine:
             if bad:
                 raise invalid(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         with session.lock:
+            if round_number and round_number == session.last_round and session.last_draft is not None:
+                return session.last_draft
             if len(session.tokens) + len(new_tokens) != committed_length:
                 self.sessions.pop(session_id)
                 raise ServiceError(
@@ -220,9 +228,11 @@ class DrafterEngine:
             start, forwards = time.perf_counter(), session.forward_passes
             context = session.tokens + list(assumed)
             tree, steering_ms, confidence = self._draft_after(session, context, shape, num_tokens, bool(assumed), pick_excludes, steering)
-            return Draft(
+            draft = Draft(
                 tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards, confidence
             )
+            session.last_round, session.last_draft = round_number, draft
+            return draft
 
     def _ngram_draft(self, session: DrafterSession, proposer: NgramProposer, context: list[int], budget: int, max_depth: int, pick: bool) -> NgramDraft:
         """The proposer's draft after `context`; one made right after the committed tokens is

@@ -74,6 +74,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             steering,
             features,
             list(request.pick_excludes),
+            request.round,
         )
         return drafter_pb2.DraftResponse(
             tree=tree_to_proto(draft.tree),

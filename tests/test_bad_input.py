@@ -124,6 +124,23 @@ def test_oversized_verify_calls_are_refused_before_any_work(clients):
     still_serving(coordinator)
 
 
+def test_a_retried_draft_round_gets_the_same_answer(clients):
+    """A Draft whose answer was lost (timeout) is sent again with the same round number: the
+    drafter answers it again instead of refusing new tokens it already committed."""
+    _, _, drafter = clients
+
+    def draft(round_number, **fields):
+        request = drafter_pb2.DraftRequest(session_id="retried", round=round_number, num_draft_tokens=3, **fields)
+        return drafter.call("Draft", request, drafter_pb2.DraftResponse)[0]
+
+    draft(1, start=_start(), committed_length=3)
+    second = draft(2, new_token_ids=[6, 7], committed_length=5)
+    again = draft(2, new_token_ids=[6, 7], committed_length=5)
+    assert list(again.tree.token_ids) == list(second.tree.token_ids) and len(second.tree.token_ids) == 3
+    assert len(draft(3, new_token_ids=[8], committed_length=6).tree.token_ids) == 3  # and the session goes on
+    expect_error(lambda: draft(4, new_token_ids=[8], committed_length=6), grpc.StatusCode.FAILED_PRECONDITION, "out of sync")
+
+
 def test_mismatched_proposal_arrays(clients):
     _, verifier, _ = clients
     tree = _tree([3], [-1], [(-1, [3], [1.0])])
