@@ -11,6 +11,7 @@ from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
 from specdec.serving.rpc import InProcessClient, invalid, reports_errors, start_server
+from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
     DRAFTER_SERVICE,
     model_info,
@@ -62,20 +63,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 features = request.features_start, rows_from_tensor(request.features, self.engine.feature_size)
             except SteeringError as err:
                 raise invalid(str(err)) from None
-        draft = self.compute.run(
-            self.engine.draft,
-            request.session_id,
-            session,
-            list(request.new_token_ids),
-            request.committed_length,
-            request.num_draft_tokens,
-            shape,
-            list(request.assumed_token_ids),
-            steering,
-            features,
-            list(request.pick_excludes),
-            request.round,
-        )
+        with dropped_on_failure(self.engine.sessions, request.session_id):
+            draft = self.compute.run(
+                self.engine.draft,
+                request.session_id,
+                session,
+                list(request.new_token_ids),
+                request.committed_length,
+                request.num_draft_tokens,
+                shape,
+                list(request.assumed_token_ids),
+                steering,
+                features,
+                list(request.pick_excludes),
+                request.round,
+            )
         return drafter_pb2.DraftResponse(
             tree=tree_to_proto(draft.tree),
             assumed_token_ids=draft.assumed,

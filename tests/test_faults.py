@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import coordinator.server
 import drafter_service.server
 import verifier_service.server
@@ -138,3 +140,41 @@ def test_a_stopping_server_says_not_serving_and_finishes_its_streams(tiny_dirs, 
         for server in (c_server, d_server, v_server):
             server.stop(grace=None)
         coord.pair.close()
+
+
+def test_a_forward_that_fails_part_way_drops_its_session(tiny_dirs, monkeypatch):
+    """The verifier's forward fails after writing part of its cache: the call answers
+    INTERNAL and the verifier forgets the session, so a retry finds no half-extended cache but
+    NOT_FOUND, which makes the coordinator re-open the session with the full context."""
+    import grpc
+
+    from specdec.serving.rpc import MeasuredClient
+    from specdec.serving.wire import VERIFIER_SERVICE
+    from specdec.v1 import common_pb2, verifier_pb2
+    from tests.conftest import local_stack
+    from verifier_service.verifier import VerifierEngine
+
+    real, failing = VerifierEngine._forward, {"now": False}
+
+    def flaky(self, session, input_ids, *args, **kwargs):
+        if failing["now"]:
+            failing["now"] = False
+            real(self, session, input_ids[:1], 1, False)  # part of the work done, then the failure
+            raise RuntimeError("simulated failure inside a forward")
+        return real(self, session, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(VerifierEngine, "_forward", flaky)
+    with local_stack(tiny_config(tiny_dirs)) as stack:
+        verifier = MeasuredClient(stack["verifier"], VERIFIER_SERVICE)
+
+        def verify(round_number, **fields):
+            request = verifier_pb2.VerifyRequest(session_id="flaky", round=round_number, fused_tokens=2, **fields)
+            return verifier.call("Verify", request, verifier_pb2.VerifyResponse)[0]
+
+        verify(1, start=common_pb2.SessionStart(context_token_ids=[1, 4, 5], sampling=common_pb2.SamplingParams()))
+        failing["now"] = True
+        for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.NOT_FOUND):
+            with pytest.raises(grpc.RpcError) as err:
+                verify(2)
+            assert err.value.code() == code, err.value.details()
+        verifier.close()

@@ -8,6 +8,7 @@ import grpc
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.serving.rpc import invalid, reports_errors, start_server
+from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
     VERIFIER_SERVICE,
     model_info,
@@ -40,7 +41,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         else:
             session = self.engine.sessions.get(request.session_id)
         tree = tree_from_proto(request.tree)
-        result = self.compute.run(self.engine.verify, session, request.round, tree, request.fused_tokens, request.steering, request.features)
+        with dropped_on_failure(self.engine.sessions, request.session_id):
+            result = self.compute.run(self.engine.verify, session, request.round, tree, request.fused_tokens, request.steering, request.features)
         return verifier_pb2.VerifyResponse(
             token_ids=result.token_ids,
             num_accepted_draft_tokens=result.num_accepted,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 import grpc
@@ -57,6 +58,20 @@ class SessionStore(Generic[State]):
         now = time.monotonic()
         for key in [k for k, (_, seen) in self._items.items() if now - seen > self._ttl]:
             del self._items[key]
+
+
+@contextmanager
+def dropped_on_failure(store: SessionStore, session_id: str):
+    """A call that fails unexpectedly part-way (not a refused request) may leave its session's
+    state half-updated, a cache half-extended: the session goes, and the caller re-opens it
+    with the full context."""
+    try:
+        yield
+    except ServiceError:
+        raise
+    except Exception:
+        store.pop(session_id)
+        raise
 
 
 def check_context(context: list[int], vocab_size: int, max_len: int, field_name: str) -> None:
