@@ -3,10 +3,14 @@ round loop driven once per request (streamed or not)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Callable, Iterator
+
+import grpc
 
 from coordinator.budget import BudgetController, Plan, VerifyCosts
 from coordinator.clients import PairSession, ServicePair
@@ -18,7 +22,7 @@ from specdec.core.sampling import validate_sampling
 from specdec.core.tree import MAX_DRAFT_NODES, TreeShape
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.latency_proxy import LatencyProxy
-from specdec.serving.rpc import invalid, reports_errors, start_server
+from specdec.serving.rpc import ServiceError, invalid, reports_errors, start_server
 from specdec.serving.wire import COORDINATOR_SERVICE, shape_from_proto
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -164,20 +168,34 @@ class Coordinator:
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator):
         self.coordinator = coordinator
+        self.limit = coordinator.config.max_concurrent_requests
+        self.slots = threading.BoundedSemaphore(self.limit)
+
+    @contextmanager
+    def _slot(self):
+        """One of max_concurrent_requests; past them RESOURCE_EXHAUSTED at once, not a queue."""
+        if not self.slots.acquire(blocking=False):
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is serving its limit of {self.limit} requests; retry later")
+        try:
+            yield
+        finally:
+            self.slots.release()
 
     @reports_errors
     def Generate(self, request, context):
         text, tokens, last = [], [], None
-        for last in self.coordinator.generate(request, *_bounds(context)):
-            text.append(last.text)
-            tokens.extend(last.token_ids)
+        with self._slot():
+            for last in self.coordinator.generate(request, *_bounds(context)):
+                text.append(last.text)
+                tokens.extend(last.token_ids)
         return coordinator_pb2.GenerateResponse(
             text="".join(text), token_ids=tokens, finish_reason=last.finish_reason, stats=last.stats
         )
 
     @reports_errors
     def GenerateStream(self, request, context):
-        yield from self.coordinator.generate(request, *_bounds(context))
+        with self._slot():
+            yield from self.coordinator.generate(request, *_bounds(context))
 
 
 def _bounds(context) -> tuple[float | None, Callable[[], bool]]:
@@ -187,13 +205,15 @@ def _bounds(context) -> tuple[float | None, Callable[[], bool]]:
 
 
 def serve(coordinator: Coordinator, host: str, port: int):
-    """Starts the client API with the standard health service; returns (server, bound port)."""
+    """Starts the client API with the standard health service; returns (server, bound port).
+    Each request holds a worker thread; a few more threads keep health checks and reflection
+    answering when the requests are at their limit."""
     servicer = CoordinatorServicer(coordinator)
     server, bound, _ = start_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
         host,
         port,
-        max_workers=32,
+        max_workers=coordinator.config.max_concurrent_requests + 4,
         health_service=COORDINATOR_SERVICE,
     )
     return server, bound

@@ -178,3 +178,25 @@ def test_a_forward_that_fails_part_way_drops_its_session(tiny_dirs, monkeypatch)
                 verify(2)
             assert err.value.code() == code, err.value.details()
         verifier.close()
+
+
+def test_overload_is_refused_at_once_not_queued(tiny_dirs):
+    """With coordinator.max_concurrent_requests = 1, a second request while one is streaming
+    gets RESOURCE_EXHAUSTED right away; once the first ends, requests are served again."""
+    import grpc
+
+    from tests.conftest import local_stack
+
+    link = {"rtt_ms": 20}
+    config = tiny_config(tiny_dirs, num_draft_tokens=3, max_concurrent_requests=1, network={"drafter": link, "verifier": link})
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        stream = client.stream(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=40))
+        next(stream)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(generate_request(prompt_token_ids=[1, 9], max_new_tokens=4))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - started < 1.0
+        assert list(stream)[-1].finish_reason
+        assert len(client.generate(generate_request(prompt_token_ids=[1, 9], max_new_tokens=4)).token_ids) == 4
+        client.close()

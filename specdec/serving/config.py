@@ -84,6 +84,7 @@ class CoordinatorConfig:
     fused_block_tokens: int = 8  # tokens per call when the verifier generates alone
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 2048
+    max_concurrent_requests: int = 32  # more at once are refused with RESOURCE_EXHAUSTED
     max_stop_strings: int = 16  # stop strings per request
     max_stop_string_chars: int = 256  # characters per stop string
     request_timeout_s: float = 120.0
@@ -140,6 +141,7 @@ class Config:
             ),
             (self.coordinator.max_new_tokens_cap >= 1, "coordinator.max_new_tokens_cap must be >= 1"),
             (self.coordinator.max_stop_strings >= 0, "coordinator.max_stop_strings must be >= 0"),
+            (self.coordinator.max_concurrent_requests >= 1, "coordinator.max_concurrent_requests must be >= 1"),
             (self.coordinator.max_stop_string_chars >= 1, "coordinator.max_stop_string_chars must be >= 1"),
             (
                 1 <= self.coordinator.default_max_new_tokens <= self.coordinator.max_new_tokens_cap,
