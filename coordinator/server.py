@@ -22,7 +22,13 @@ from specdec.core.sampling import validate_sampling
 from specdec.core.tree import MAX_DRAFT_NODES, TreeShape
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.latency_proxy import LatencyProxy
-from specdec.serving.rpc import ServiceError, invalid, reports_errors, start_server
+from specdec.serving.rpc import (
+    BearerTokenAuth,
+    ServiceError,
+    invalid,
+    reports_errors,
+    start_server,
+)
 from specdec.serving.wire import COORDINATOR_SERVICE, shape_from_proto
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -209,12 +215,14 @@ def serve(coordinator: Coordinator, host: str, port: int):
     Each request holds a worker thread; a few more threads keep health checks and reflection
     answering when the requests are at their limit."""
     servicer = CoordinatorServicer(coordinator)
+    tokens = coordinator.config.auth.accepted()
     server, bound, _ = start_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
         host,
         port,
         max_workers=coordinator.config.max_concurrent_requests + 4,
         health_service=COORDINATOR_SERVICE,
+        interceptors=(BearerTokenAuth(COORDINATOR_SERVICE, tokens),) if tokens else (),
     )
     return server, bound
 

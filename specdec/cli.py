@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -48,7 +49,11 @@ def cmd_serve(args) -> int:
         return 2
     print(f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING)", flush=True)
     if args.demo:
-        _stream_to_terminal(address, args.demo, max_new_tokens=128, temperature=0.0, use_chat_template=True)
+        from specdec.serving.app import build_config
+        from specdec.serving.client import server_token
+
+        token = server_token(build_config(_app_args(args)))
+        _stream_to_terminal(address, args.demo, token, max_new_tokens=128, temperature=0.0, use_chat_template=True)
     print("Ctrl-C to stop.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # e.g. a container stop: shut Ray down too
@@ -61,10 +66,10 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _stream_to_terminal(address: str, prompt: str, **fields) -> None:
+def _stream_to_terminal(address: str, prompt: str, token: str | None = None, **fields) -> None:
     from specdec.serving.client import CoordinatorClient, format_stats, generate_request
 
-    client = CoordinatorClient(address)
+    client = CoordinatorClient(address, token)
     last = None
     for last in client.stream(generate_request(prompt, **fields)):
         sys.stdout.write(last.text)
@@ -88,6 +93,7 @@ def cmd_generate(args) -> int:
         _stream_to_terminal(
             args.address,
             args.prompt,
+            args.token,
             use_chat_template=not args.raw,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="stream an answer from a running server and print round statistics")
     gen.add_argument("prompt")
     gen.add_argument("--address", default="localhost:50051")
+    gen.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN"), help="bearer token for a server with coordinator.auth (default: $SPECDEC_TOKEN)")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float)

@@ -289,3 +289,31 @@ def test_failures_reach_the_caller_without_internals(caplog):
     code, details = answer(_DownstreamError(INVALID, "tree.parent[3] = 9 must be -1"))
     assert code == grpc.StatusCode.INTERNAL and "tree.parent" not in details
     assert answer(_DownstreamError(grpc.StatusCode.UNAVAILABLE, "verifier restarting")) == (grpc.StatusCode.UNAVAILABLE, "verifier restarting")
+
+
+def test_bearer_tokens_guard_the_client_api_but_not_health(tiny_dirs, tmp_path):
+    """With coordinator.auth, Generate needs 'authorization: Bearer <token>' (from the config
+    or a file); without it, or with another token, UNAUTHENTICATED. Health stays open."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.serving.config import ConfigError, config_from_dict
+    from specdec.serving.wire import COORDINATOR_SERVICE
+    from tests.conftest import local_stack, tiny_config
+
+    (tmp_path / "tokens").write_text("# one per line\nfile-token\n")
+    config = tiny_config(tiny_dirs, auth={"tokens": ["config-token"], "tokens_file": str(tmp_path / "tokens")})
+    with local_stack(config) as stack:
+        request = generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=4)
+        for token in (None, "wrong", "config-toke"):
+            client = CoordinatorClient(stack["coordinator"], token)
+            expect_error(lambda: client.generate(request), grpc.StatusCode.UNAUTHENTICATED, "bearer token")
+            expect_error(lambda: list(client.stream(request)), grpc.StatusCode.UNAUTHENTICATED, "bearer token")
+            health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            client.close()
+        for token in ("config-token", "file-token"):
+            client = CoordinatorClient(stack["coordinator"], token)
+            assert len(client.generate(request).token_ids) == 4
+            client.close()
+    with pytest.raises(ConfigError, match="cannot read"):
+        config_from_dict(tiny_config(tiny_dirs, auth={"tokens_file": str(tmp_path / "absent")})).validate()

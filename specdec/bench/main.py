@@ -126,7 +126,7 @@ class Tally:
 def run_bench(args) -> int:
     from specdec.core.models import load_model, load_tokenizer
     from specdec.serving.app import build_config
-    from specdec.serving.client import CoordinatorClient, generate_request
+    from specdec.serving.client import CoordinatorClient, generate_request, server_token
     from specdec.serving.launch import APP_NAME, deploy, start_stack, stop_stack
     from specdec.serving.wire import shape_to_proto
 
@@ -208,7 +208,7 @@ def run_bench(args) -> int:
             address = start_stack(stack_args, args.port)
         else:
             address = deploy(stack_args, args.port + j, name=f"{APP_NAME}-{j}")
-        clients[source] = CoordinatorClient(address)
+        clients[source] = CoordinatorClient(address, server_token(config))
     verifier = load_model(config.verifier.model)
     assistant = args.hf_assistant or _hf_assistant(config.drafter.model.source)
     drafter = load_model(dataclasses.replace(config.drafter.model, source=assistant))

@@ -40,7 +40,7 @@ def sweep_policies(chains: list[int], trees: list[int], tree_method: str, overla
 
 
 def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> dict:
-    from specdec.serving.client import CoordinatorClient, generate_request
+    from specdec.serving.client import CoordinatorClient, generate_request, server_token
     from specdec.serving.launch import deploy, start_stack, stop_stack
 
     rtts = [float(r) for r in args.rtt_sweep.split(",")]
@@ -57,7 +57,7 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
             port = args.port + i  # the previous coordinator may still hold the last port
             rtt_args = {**app_args, "coordinator": {"port": port, "network": {"drafter": link, "verifier": link}, "adaptive": adaptive}}
             address = start_stack(rtt_args, port) if i == 0 else deploy(rtt_args, port)
-            client = CoordinatorClient(address)
+            client = CoordinatorClient(address, server_token(config))
             for temperature in temperatures:
                 def request(j: int, ids: list[int], fields: dict, length: int = args.max_new_tokens):
                     return generate_request(prompt_token_ids=ids, max_new_tokens=length, temperature=temperature, seed=args.seed + j, **fields)

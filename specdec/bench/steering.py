@@ -43,7 +43,7 @@ def prompt_sets(args, ood: list[str]) -> dict[str, list[dict]]:
 
 
 def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeShape, budget: int) -> dict:
-    from specdec.serving.client import CoordinatorClient, generate_request
+    from specdec.serving.client import CoordinatorClient, generate_request, server_token
     from specdec.serving.launch import deploy, start_stack, stop_stack
     from specdec.serving.wire import shape_to_proto
 
@@ -72,7 +72,7 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
                 "steering_checkpoint": steered if i == 0 else "",
             }
             address = start_stack(stack_args, port) if i == 0 else deploy(stack_args, port)
-            client = CoordinatorClient(address)
+            client = CoordinatorClient(address, server_token(config))
             client.generate(generate_request(prompt="Hi", max_new_tokens=8, steering=i == 0))  # warm-up
             for temperature in temperatures:
                 for set_name, prompts in chat.items():

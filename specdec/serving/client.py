@@ -13,16 +13,24 @@ def generate_request(prompt: str = "", **fields) -> coordinator_pb2.GenerateRequ
     return coordinator_pb2.GenerateRequest(prompt=prompt, **{k: v for k, v in fields.items() if v is not None})
 
 
+def server_token(config) -> str | None:
+    """A token the configured server accepts (None when it takes any caller): for the clients
+    started beside it, the demo and the benchmarks."""
+    return min(config.coordinator.auth.accepted(), default=None)
+
+
 class CoordinatorClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, token: str | None = None):
+        """`token`: a bearer token, for a server with coordinator.auth set."""
         self.channel = grpc.insecure_channel(address)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def generate(self, request: coordinator_pb2.GenerateRequest, timeout: float = 600.0) -> coordinator_pb2.GenerateResponse:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def stream(self, request: coordinator_pb2.GenerateRequest, timeout: float = 600.0) -> Iterator[coordinator_pb2.GenerateResponse]:
-        return self.stub.GenerateStream(request, timeout=timeout)
+        return self.stub.GenerateStream(request, timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

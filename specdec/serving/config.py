@@ -76,6 +76,28 @@ class AdaptiveConfig:
 
 
 @dataclass
+class AuthConfig:
+    """Bearer tokens the client API accepts (`authorization: Bearer <token>`); none = open."""
+
+    tokens: list[str] = field(default_factory=list)
+    tokens_file: str = ""  # one token per line, read at start (blank lines and # comments skipped)
+
+    def accepted(self) -> set[str]:
+        """Every accepted token; raises ValueError naming a file that cannot be read or is empty."""
+        tokens = set(self.tokens)
+        if self.tokens_file:
+            try:
+                lines = Path(self.tokens_file).read_text().splitlines()
+            except OSError as err:
+                raise ValueError(f"coordinator.auth.tokens_file: cannot read {self.tokens_file}: {err.strerror}") from None
+            from_file = {line.strip() for line in lines if line.strip() and not line.strip().startswith("#")}
+            if not from_file:
+                raise ValueError(f"coordinator.auth.tokens_file {self.tokens_file} holds no token")
+            tokens |= from_file
+        return tokens
+
+
+@dataclass
 class CoordinatorConfig:
     host: str = "0.0.0.0"
     port: int = 50051
@@ -99,6 +121,7 @@ class CoordinatorConfig:
     overlap: bool = False  # draft the next round while the verifier checks this one (PEARL)
     steering: bool = True  # SD²: requests steer the drafter by default whenever the pair has a steering checkpoint
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
 
 
@@ -142,6 +165,7 @@ class Config:
             (self.coordinator.max_new_tokens_cap >= 1, "coordinator.max_new_tokens_cap must be >= 1"),
             (self.coordinator.max_stop_strings >= 0, "coordinator.max_stop_strings must be >= 0"),
             (self.coordinator.max_concurrent_requests >= 1, "coordinator.max_concurrent_requests must be >= 1"),
+            (all(t.strip() == t and t for t in self.coordinator.auth.tokens), "coordinator.auth.tokens must be non-empty, without surrounding spaces"),
             (self.coordinator.max_stop_string_chars >= 1, "coordinator.max_stop_string_chars must be >= 1"),
             (
                 1 <= self.coordinator.default_max_new_tokens <= self.coordinator.max_new_tokens_cap,
@@ -172,6 +196,10 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        try:
+            self.coordinator.auth.accepted()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         drafter = self.drafter.model.source
         if self.drafter.staged_lookahead and (is_model_free(drafter) or is_feature_head(drafter)):
             raise ConfigError("drafter.staged_lookahead speeds up a drafter model's own drafting; this drafter has none (n-gram) or is a feature head")

@@ -3,6 +3,7 @@ and a client call that measures serialization, wire time and bytes separately.""
 from __future__ import annotations
 
 import functools
+import hmac
 import inspect
 import logging
 import signal
@@ -93,10 +94,11 @@ def start_server(
     port: int,
     max_workers: int = 16,
     health_service: str | None = None,
+    interceptors: tuple[grpc.ServerInterceptor, ...] = (),
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Starts a gRPC server with the standard health service and server reflection (so grpcurl
     works without the protos); returns it, the bound port and the health servicer."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS, interceptors=interceptors)
     add_servicer(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -112,6 +114,32 @@ def start_server(
         health_servicer.set(health_service, status)
     _health_of[server] = health_servicer
     return server, bound, health_servicer
+
+
+class BearerTokenAuth(grpc.ServerInterceptor):
+    """Calls to `service` need the metadata `authorization: Bearer <token>` with an accepted
+    token, else UNAUTHENTICATED; health checks and reflection stay open (probes, grpcurl)."""
+
+    def __init__(self, service: str, tokens: set[str]):
+        if not tokens:
+            raise ValueError("BearerTokenAuth needs at least one token")
+        self.prefix = f"/{service}/"
+        self.tokens = [token.encode() for token in tokens]
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token: send the metadata 'authorization: Bearer <token>'")
+
+        self.deny = {False: grpc.unary_unary_rpc_method_handler(deny), True: grpc.unary_stream_rpc_method_handler(deny)}
+
+    def intercept_service(self, continuation, handler_call_details):
+        if not handler_call_details.method.startswith(self.prefix):
+            return continuation(handler_call_details)
+        header = dict(handler_call_details.invocation_metadata).get("authorization", "")
+        given = header.removeprefix("Bearer ").encode() if header.startswith("Bearer ") else b""
+        if any(hmac.compare_digest(given, token) for token in self.tokens):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        return None if handler is None else self.deny[handler.response_streaming]
 
 
 _health_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # server -> its health servicer
