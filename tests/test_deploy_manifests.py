@@ -448,3 +448,35 @@ def test_service_selects_only_this_rayservice_head_pod():
     other_cluster_head = _head_pod_labels("someone-else", {})
     for labels in (unhealthy, other_cluster_head):
         assert not selector.items() <= labels.items(), labels
+
+
+def _admitted(policy: dict, pod_labels: dict, source_labels: dict | None, port: int) -> bool:
+    """Whether `policy` lets a TCP connection to `port` of a pod with `pod_labels` in, from a
+    pod with `source_labels` (None = from outside the cluster's pods)."""
+    spec = policy["spec"]
+    if not spec["podSelector"]["matchLabels"].items() <= pod_labels.items():
+        return True  # not selected: this policy says nothing about the pod
+    for rule in spec.get("ingress", []):
+        sources = rule.get("from")
+        source_ok = sources is None or (
+            source_labels is not None and any(s["podSelector"]["matchLabels"].items() <= source_labels.items() for s in sources)
+        )
+        ports = rule.get("ports")
+        port_ok = ports is None or any(p["port"] == port and p.get("protocol", "TCP") == "TCP" for p in ports)
+        if source_ok and port_ok:
+            return True
+    return False
+
+
+def test_network_policy_keeps_every_port_but_the_client_api_inside_the_rayservice():
+    [policy] = _kind("NetworkPolicy")
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["spec"]["policyTypes"] == ["Ingress"]
+    cluster = _rayservice()["spec"]["rayClusterConfig"]
+    head = _head_pod_labels("specdec-x7k2p", cluster["headGroupSpec"]["template"].get("metadata", {}).get("labels", {}))
+    workers = [{**group["template"].get("metadata", {}).get("labels", {}), "ray.io/node-type": "worker"} for group in cluster["workerGroupSpecs"]]
+    outsider = {"app": "something-else"}
+    for pod in [head, *workers]:
+        for port in (6379, 8265, 10001, 8000, 43121):  # GCS, dashboard, client, Serve, a replica's gRPC port
+            assert not _admitted(policy, pod, None, port) and not _admitted(policy, pod, outsider, port), (pod, port)
+            assert all(_admitted(policy, pod, peer, port) for peer in [head, *workers]), (pod, port)
+    assert _admitted(policy, head, None, CLIENT_PORT) and _admitted(policy, head, outsider, CLIENT_PORT)
