@@ -87,6 +87,10 @@ class PairSession:
     """One request's session on both services. Tracks what each side has seen, so a round sends
     only the new tokens, and re-opens a side with the full context if it lost the session."""
 
+    # A verifier restarting gets 50 + 100 + ... + 800 ms; the drafter one quick retry, since the
+    # request can go on without it (coordinator/decoding.py DrafterStandby).
+    VERIFY_RETRIES, DRAFT_RETRIES, RETRY_BACKOFF_S = 5, 1, 0.05
+
     def __init__(
         self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int], steering: bool = False,
         features: bool = False, deadline: float | None = None,
@@ -152,7 +156,7 @@ class PairSession:
                 sent_features = len(message.features.data)
             return message
 
-        reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None)
+        reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None, self.DRAFT_RETRIES)
         self._drafter_seen, self._drafter_round = len(context), sent_round
         self._drafter_features = max(self._drafter_features, feature_count)
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
@@ -178,7 +182,7 @@ class PairSession:
                 message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=self.context, sampling=self.sampling, prompt_length=self.prompt_length))
             return message
 
-        reply, call = self._call(self.pair.verifier, "Verify", verifier_pb2.VerifyResponse, request, not self._verifier_open)
+        reply, call = self._call(self.pair.verifier, "Verify", verifier_pb2.VerifyResponse, request, not self._verifier_open, self.VERIFY_RETRIES)
         self._verifier_open = True
         self._verifier_round += 1
         self.context.extend(reply.token_ids)
@@ -220,19 +224,25 @@ class PairSession:
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         return min(self.pair.timeout_s, left)
 
-    def _call(self, client: MeasuredClient, method: str, response_type, build, reopen: bool):
-        request = build(reopen)
-        try:
-            reply, cost = client.call(method, request, response_type, timeout=self._timeout())
-        except grpc.RpcError as err:
-            if err.code() in _REOPEN and not reopen:
-                request = build(True)
-            elif err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                pass  # the same round again: the service never commits a round twice
-            else:
-                raise
-            reply, cost = client.call(method, request, response_type, timeout=self._timeout())
-        return reply, ServiceCall(reply.compute_ms, cost)
+    def _call(self, client: MeasuredClient, method: str, response_type, build, reopen: bool, max_retries: int):
+        """The call, re-opening the session once if the service lost it, and retrying a service
+        that is unreachable or slow after 50, 100, 200, ... ms (at most `max_retries` times,
+        within the request's deadline): the same round again, which no service commits twice."""
+        request, backoff_s, retries = build(reopen), self.RETRY_BACKOFF_S, 0
+        while True:
+            try:
+                reply, cost = client.call(method, request, response_type, timeout=self._timeout())
+                return reply, ServiceCall(reply.compute_ms, cost)
+            except grpc.RpcError as err:
+                if err.code() in _REOPEN and not reopen:
+                    request, reopen = build(True), True
+                    continue
+                transient = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                out_of_time = self.deadline is not None and time.monotonic() + backoff_s > self.deadline
+                if not transient or retries == max_retries or out_of_time:
+                    raise
+                time.sleep(backoff_s)
+                backoff_s, retries = backoff_s * 2, retries + 1
 
 
 def _ended(future) -> None:

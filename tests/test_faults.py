@@ -200,3 +200,39 @@ def test_overload_is_refused_at_once_not_queued(tiny_dirs):
         assert list(stream)[-1].finish_reason
         assert len(client.generate(generate_request(prompt_token_ids=[1, 9], max_new_tokens=4)).token_ids) == 4
         client.close()
+
+
+def test_a_restarting_verifier_is_waited_for_and_the_session_reopened(tiny_dirs, tiny_verifier):
+    """The verifier goes away mid-stream and is back on its port 0.3 s later, without the
+    session: the coordinator retries with back-off, re-opens with the full context (re-prefill),
+    and the output is exactly the verifier's own."""
+    import threading
+
+    config = config_from_dict(tiny_config(tiny_dirs, num_draft_tokens=3))
+    config.coordinator.port = 0
+    v_server, v_port = verifier_service.server.start(config.verifier)
+    d_server, d_port = drafter_service.server.start(config.drafter)
+    c_server, c_port, coord = coordinator.server.start(config, f"localhost:{d_port}", f"localhost:{v_port}")
+    client = CoordinatorClient(f"localhost:{c_port}")
+    servers = {"verifier": v_server}
+
+    def restart():
+        time.sleep(0.3)
+        config.verifier.port = v_port
+        servers["verifier"], _ = verifier_service.server.start(config.verifier)
+
+    try:
+        prompt = [1, 4, 5]
+        stream = client.stream(generate_request(prompt_token_ids=prompt, max_new_tokens=60))
+        tokens = list(next(stream).token_ids)
+        v_server.stop(grace=None).wait()
+        threading.Thread(target=restart).start()
+        last = None
+        for last in stream:
+            tokens += list(last.token_ids)
+        assert last.finish_reason and tokens == hf_greedy(tiny_verifier, prompt, 60)
+    finally:
+        client.close()
+        for server in (c_server, d_server, servers["verifier"]):
+            server.stop(grace=None)
+        coord.pair.close()
