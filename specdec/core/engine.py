@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from specdec.core.kernels import native
 from specdec.core.kv_cache import KVCache, TransformersCache
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
@@ -26,21 +27,27 @@ _TINY = 1e-12  # the smallest scale: an all-zero row quantizes to zeros instead 
 class Int8Linear(torch.nn.Module):
     """A linear layer with int8 weights (per output channel) and int8 activations (per row).
 
-    One row runs ATen's int8 matrix multiply over the row-major weight (the fastest kernel
-    for a single token here); several rows run oneDNN's prepacked int8 kernel, whose cost
-    stays nearly flat from 2 to 9 rows. Both sum the same integers exactly and convert the
-    sum to float32 the same way, so the kernel choice never changes a result."""
+    On a CPU the engine's native kernel (specdec/core/kernels) quantizes the rows and streams
+    the packed weights once for up to 12 rows at a time. Without it, one row runs ATen's int8
+    matrix multiply and several rows oneDNN's prepacked int8 kernel. All of them sum the same
+    integers exactly and convert the sum to float32 the same way, so the kernel never changes
+    a result."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, smoothing: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight, persistent=False)
-        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(weight, None), persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("smoothing", smoothing, persistent=False)
-        self._ones = torch.ones(self.out_features)
-        self._zeros = torch.zeros(self.out_features, dtype=torch.long)
+        self.kernels = native()
+        if self.kernels is not None:
+            self.register_buffer("packed", self.kernels.pack_weight(weight), persistent=False)
+            self.register_buffer("sums", self.kernels.weight_sums(weight), persistent=False)
+        else:
+            self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(weight, None), persistent=False)
+            self._ones = torch.ones(self.out_features)
+            self._zeros = torch.zeros(self.out_features, dtype=torch.long)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, input_range: torch.Tensor | None = None) -> "Int8Linear":
@@ -70,6 +77,9 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
+        if self.kernels is not None and rows.device.type == "cpu":
+            out = self.kernels.int8_linear(rows, self.smoothing, self.packed, self.sums, self.scale, self.bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.smoothing is not None:
             rows = rows * self.smoothing
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / 127
@@ -155,6 +165,7 @@ class LlamaEngine(torch.nn.Module):
         self.device = self.embed.weight.device
         # SD² steering: layer index -> delta added to the up-branch (None = none this forward).
         self.up_delta: Callable[[int], torch.Tensor | None] | None = None
+        self.native_layers = self._native_layers(config)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -162,11 +173,33 @@ class LlamaEngine(torch.nn.Module):
         windowed = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)
         return config.model_type in LlamaEngine.SUPPORTED and getattr(config, "hidden_act", "silu") == "silu" and not windowed
 
+    def _native_layers(self, config) -> list[tuple[list[torch.Tensor], list[int], float]] | None:
+        """Each layer's tensors for the native kernel that runs a whole int8 decoder layer in
+        one call, or None where it does not apply (other weight formats, no kernels, not CPU)."""
+        kernels = self._native_attention()
+        linears = [(b.qkv, b.o, b.gate_up, b.down) for b in self.layers]
+        if kernels is None or not all(isinstance(m, Int8Linear) and m.kernels is not None for ms in linears for m in ms):
+            return None
+        eps = config.rms_norm_eps
+        empty = torch.empty(0)
+        bundles = []
+        for block, layer_linears in zip(self.layers, linears):
+            norms = [block.input_norm.weight.detach().float().contiguous(), block.post_norm.weight.detach().float().contiguous()]
+            parts = [[m.packed, m.sums, m.scale, empty if m.bias is None else m.bias, empty if m.smoothing is None else m.smoothing] for m in layer_linears]
+            weights = [norms[0], *parts[0], *parts[1], norms[1], *parts[2], *parts[3]]
+            bundles.append((weights, [m.out_features for m in layer_linears], eps))
+        return bundles
+
     def new_cache(self) -> KVCache:
-        # Keys and values are kept in the float64 that attention reads them in, converted once
-        # when written rather than at every step (on a 900-token context the conversions took
-        # most of a one-token step). The values are the same either way.
-        return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, torch.float64, self.device)
+        native_attention = self._native_attention() is not None
+        # Without the native kernel attention runs in float64 (see _attention); keys and values
+        # are kept in it, converted once when written rather than at every step.
+        dtype = torch.float32 if native_attention else torch.float64
+        return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, dtype, self.device, transposed_keys=native_attention)
+
+    def _native_attention(self):
+        """The native kernel's batch-invariant float32 attention (CPU), or None."""
+        return native() if self.device.type == "cpu" else None
 
     def forward(
         self,
@@ -181,7 +214,7 @@ class LlamaEngine(torch.nn.Module):
         """Feeds `input_ids` after the cached tokens: (logits of the last `num_logits` positions,
         float32; the residual stream after each layer as transformers' output_hidden_states
         gives it, or None). Without a mask every token sees the cache and the tokens before it.
-        `prefill` (an empty cache, no mask) runs float32 attention kernels: many times faster on
+        `prefill` (an empty cache, no mask) runs torch's attention kernels: many times faster on
         long prompts, but a token's result then depends on the pass, so only a prefix that every
         way of decoding feeds in the same single pass may take it (a session's prompt)."""
         start, count = cache.length, len(input_ids)
@@ -190,41 +223,57 @@ class LlamaEngine(torch.nn.Module):
         cache.reserve(start + count)
         if position_ids is None:
             position_ids = torch.arange(start, start + count)[None]
-        position_ids = position_ids.to(self.device)
-        x = self.embed(torch.tensor([input_ids], device=self.device))
-        cos, sin = self.rotary(x, position_ids)
-        cos, sin = cos[:, None], sin[:, None]
-        mask = None if attention_mask is None else attention_mask.to(self.device)
-        if mask is None and count > 1 and not prefill:
-            mask = torch.ones(count, start + count, dtype=torch.bool, device=self.device).tril(start)[None, None]
-        keep = [x] if hidden_states else None
+        x = self.embed(torch.tensor(input_ids, device=self.device))
+        cos, sin = self.rotary(x, position_ids.to(self.device))
+        cos, sin = cos[0, :, None], sin[0, :, None]  # (count, 1, head_dim): one row per token
+        mask = None if attention_mask is None else attention_mask[0, 0].to(self.device)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        keep = [x[None]] if hidden_states else None
         for index, block in enumerate(self.layers):
+            delta = self.up_delta(index) if self.up_delta is not None else None
+            if self.native_layers is not None and not prefill:
+                weights, widths, eps = self.native_layers[index]
+                x = native().int8_decoder_layer(x, weights, widths, eps, cos[:, 0], sin[:, 0], cache.keys[index], cache.values[index],
+                                                start, mask, heads, delta)
+                if keep is not None:
+                    keep.append(x[None])
+                continue
             qkv = block.qkv(block.input_norm(x))
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _rotate(q.view(1, count, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-            cache.keys[index, :, start : start + count] = k[0]
-            cache.values[index, :, start : start + count] = v.view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
+            q = _rotate(q.view(count, heads, dim), cos, sin)
+            k = _rotate(k.view(count, kv_heads, dim), cos, sin)
+            v = v.view(count, kv_heads, dim)
+            keys, values = cache.keys[index], cache.values[index]
+            if cache.transposed_keys:
+                keys[:, :, start : start + count] = k.permute(1, 2, 0)
+            else:
+                keys[:, start : start + count] = k.transpose(0, 1)
+            values[:, start : start + count] = v.transpose(0, 1)
             if prefill:
                 attended = torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v.view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2), is_causal=True, enable_gqa=True
-                )
+                    q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+                ).transpose(0, 1)
             else:
-                attended = _attention(q, cache.keys[index, :, : start + count], cache.values[index, :, : start + count], mask).to(x.dtype)
-            x = x + block.o(attended.transpose(1, 2).reshape(1, count, self.q_size))
+                attended = self._attend(q, keys, values, start, count, mask)
+            x = x + block.o(attended.reshape(count, self.q_size).to(x.dtype))
             gate, up = block.gate_up(block.post_norm(x)).split(self.intermediate, dim=-1)
-            delta = self.up_delta(index) if self.up_delta is not None else None
             if delta is not None:
                 up = up + delta.to(up.dtype)
             x = x + block.down(torch.nn.functional.silu(gate) * up)
             if keep is not None:
-                keep.append(x)
+                keep.append(x[None])
         cache.length = start + count
         normed = self.norm(x)
         if keep is not None:
-            keep[-1] = normed
-        logits = self.lm_head(normed[:, -num_logits:])
-        return logits[0].float(), None if keep is None else tuple(keep)
+            keep[-1] = normed[None]
+        logits = self.lm_head(normed[-num_logits:])
+        return logits.float(), None if keep is None else tuple(keep)
+
+    def _attend(self, q, keys, values, start: int, count: int, mask: torch.Tensor | None) -> torch.Tensor:
+        kernels = self._native_attention()
+        if kernels is not None:
+            return kernels.attention(q.float(), keys, values, start + count, start, mask)
+        return _attention(q, keys[:, : start + count], values[:, : start + count], start, mask)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -232,20 +281,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of q (1, heads, T, d) over keys/values (kv_heads, S, d), computed in float64 so
-    that a token's result does not depend on how many queries share the pass: float32 kernels
-    sum in an order that does, and int8 activations downstream would turn that last-bit noise
-    into different tokens. Query heads that share a key/value head are stacked (no copies)."""
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q (T, heads, d) over keys/values (kv_heads, S, d) without the native
+    kernel, computed in float64 so that a token's result does not depend on how many queries
+    share the pass: float32 kernels sum in an order that does, and int8 activations downstream
+    would turn that last-bit noise into different tokens. Query heads that share a key/value
+    head are stacked (no copies)."""
     kv_heads, length, dim = keys.shape
-    count = q.shape[2]
-    groups = q.shape[1] // kv_heads
-    queries = q[0].double().reshape(kv_heads, groups * count, dim)
+    count, heads = q.shape[0], q.shape[1]
+    groups = heads // kv_heads
+    queries = q.double().permute(1, 0, 2).reshape(kv_heads, groups * count, dim)
     scores = torch.bmm(queries, keys.double().transpose(1, 2)) * dim**-0.5
-    if mask is not None:
-        scores.masked_fill_(~mask[0, 0].repeat(groups, 1), float("-inf"))
+    if mask is None:
+        mask = torch.ones(count, length, dtype=torch.bool, device=q.device).tril(start)
+    scores.masked_fill_(~mask.repeat(groups, 1), float("-inf"))
     out = torch.bmm(torch.softmax(scores, dim=-1), values.double())
-    return out.view(kv_heads * groups, count, dim)[None]
+    return out.view(heads, count, dim).transpose(0, 1)
 
 
 class TransformersEngine:

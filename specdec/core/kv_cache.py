@@ -30,33 +30,44 @@ class TransformersCache(DynamicCache):
 
 class KVCache:
     """Keys and values of the tokens a session has fed, preallocated and grown by doubling,
-    so a forward writes its new tokens in place instead of concatenating the whole cache."""
+    so a forward writes its new tokens in place instead of concatenating the whole cache.
+    Values are [layers, kv_heads, capacity, head_dim]; keys the same, or with `transposed_keys`
+    [layers, kv_heads, head_dim, capacity], the layout the native attention kernel reads."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256):
-        self.keys = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256,
+                 transposed_keys: bool = False):
+        self.values = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.keys = self.values.transpose(2, 3).contiguous() if transposed_keys else torch.empty_like(self.values)
+        self.transposed_keys = transposed_keys
         self.length = 0
 
     def get_seq_length(self) -> int:
         return self.length
 
+    def _positions(self, tensor: torch.Tensor) -> int:
+        return 3 if tensor is self.keys and self.transposed_keys else 2
+
     def reserve(self, length: int) -> None:
-        capacity = self.keys.shape[2]
+        capacity = self.values.shape[2]
         if length > capacity:
             while capacity < length:
                 capacity *= 2
             for name in ("keys", "values"):
-                bigger = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
-                bigger[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
+                old = getattr(self, name)
+                dim = self._positions(old)
+                shape = list(old.shape)
+                shape[dim] = capacity
+                bigger = old.new_empty(shape)
+                bigger.narrow(dim, 0, self.length).copy_(old.narrow(dim, 0, self.length))
                 setattr(self, name, bigger)
 
     def keep_positions(self, prefix_len: int, extra: list[int]) -> None:
         """Keep positions [0, prefix_len) plus `extra` (ascending, all >= prefix_len)."""
         if extra:
-            index = torch.tensor(extra, device=self.keys.device)
-            end = prefix_len + len(extra)
-            self.keys[:, :, prefix_len:end] = self.keys[:, :, index]
-            self.values[:, :, prefix_len:end] = self.values[:, :, index]
+            index = torch.tensor(extra, device=self.values.device)
+            for tensor in (self.keys, self.values):
+                dim = self._positions(tensor)
+                tensor.narrow(dim, prefix_len, len(extra)).copy_(tensor.index_select(dim, index))
         self.length = prefix_len + len(extra)
 
     def truncate(self, length: int) -> None:

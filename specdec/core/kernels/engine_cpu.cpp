@@ -1,0 +1,536 @@
+// CPU kernels of the engine: an int8 linear layer whose weights stream from memory once
+// however many rows it multiplies, and float32 attention whose result for one query never
+// depends on the other queries in the pass.
+//
+// Batch invariance is the point of both. Verifying a draft tree must give every node the very
+// logits a one-token step gives, so every sum a row's result depends on is taken in an order
+// fixed by that row alone: integer sums are exact, and each float sum below runs over one
+// row's own elements in one fixed order, whatever the number of rows, threads or the tree.
+// Built with -ffp-contract=off so the compiler fuses no multiply-add the code did not write.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // output channels per packed block
+constexpr int64_t kRows = 8;    // rows multiplied against one pass over a block's weights (8: no register spills)
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// Weights int8 [N, K] -> [N/32, K/4, 32, 4]: each 128-byte step holds four consecutive inputs
+// of 32 output channels, the order VNNI's 4-way dot product reads them in.
+torch::Tensor pack_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dtype() == torch::kInt8 && weight.dim() == 2, "pack_weight takes int8 [N, K]");
+  weight = weight.contiguous();
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t n_pad = round_up(n, kBlock), k_pad = round_up(k, 4);
+  auto packed = torch::zeros({n_pad / kBlock, k_pad / 4, kBlock, 4}, torch::kInt8);
+  const int8_t* src = weight.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  for (int64_t row = 0; row < n; ++row)
+    for (int64_t col = 0; col < k; ++col)
+      dst[(((row / kBlock) * (k_pad / 4) + col / 4) * kBlock + row % kBlock) * 4 + col % 4] = src[row * k + col];
+  return packed;
+}
+
+// Row sums of the weights, padded to the block: activations enter the kernel as x + 128
+// (unsigned), and sum((x + 128) w) - 128 sum(w) recovers sum(x w) exactly.
+torch::Tensor weight_sums(torch::Tensor weight) {
+  auto sums = weight.to(torch::kInt32).sum(1).to(torch::kInt32);
+  return torch::constant_pad_nd(sums, {0, round_up(weight.size(0), kBlock) - weight.size(0)});
+}
+
+// One row: scale = max|x * smoothing| / 127, q = round(x / scale) + 128, the same float
+// operations as Int8Linear's torch path, so both give the same integers.
+float quantize_row(const float* x, const float* smoothing, int64_t k, int64_t k_pad, uint8_t* out) {
+  std::vector<float> smoothed(x, x + k);
+  if (smoothing)
+    for (int64_t i = 0; i < k; ++i) smoothed[i] = x[i] * smoothing[i];
+  float largest = 0.f;
+  for (int64_t i = 0; i < k; ++i) largest = std::max(largest, std::fabs(smoothed[i]));
+  const float scale = std::max(largest, 1e-12f) / 127.f;
+  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(smoothed[i] / scale)) + 128);
+  std::memset(out + k, 128, k_pad - k);  // zero after the shift; padded weights are zero too
+  return scale;
+}
+
+// acc[r][c] = sum over k of x[r][k] * w[c][k] for `rows` rows and the 32 channels of a block.
+template <int R>
+void block_dot(const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t k_steps, int32_t* acc) {
+#if defined(__AVX512VNNI__)
+  __m512i lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+  const int8_t* next = block + k_steps * 128;  // the next block, fetched while this one computes
+  for (int64_t s = 0; s < k_steps; ++s) {
+    _mm_prefetch(reinterpret_cast<const char*>(next + s * 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(next + s * 128 + 64), _MM_HINT_T0);
+    const __m512i w_lo = _mm512_loadu_si512(block + s * 128);
+    const __m512i w_hi = _mm512_loadu_si512(block + s * 128 + 64);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * x_stride + s * 4, 4);
+      const __m512i xs = _mm512_set1_epi32(four);
+      lo[r] = _mm512_dpbusd_epi32(lo[r], xs, w_lo);
+      hi[r] = _mm512_dpbusd_epi32(hi[r], xs, w_hi);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_si512(acc + r * kBlock, lo[r]);
+    _mm512_storeu_si512(acc + r * kBlock + 16, hi[r]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kBlock; ++c) {
+      int32_t sum = 0;
+      for (int64_t s = 0; s < k_steps; ++s)
+        for (int j = 0; j < 4; ++j)
+          sum += static_cast<int32_t>(x[r * x_stride + s * 4 + j]) * static_cast<int32_t>(block[(s * kBlock + c) * 4 + j]);
+      acc[r * kBlock + c] = sum;
+    }
+#endif
+}
+
+template <int R>
+void rows_dot(int rows, const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t k_steps, int32_t* acc) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_dot<R - 1>(rows, x, x_stride, block, k_steps, acc);
+  }
+  block_dot<R>(x, x_stride, block, k_steps, acc);
+}
+
+// One row of one block: out[c] = float(acc[c] - 128 sum(w[c])) * (row_scale * w_scale[c]) (+ bias[c]).
+void epilogue(const int32_t* acc, const int32_t* wsum, const float* ws, const float* bias, float row_scale, int64_t col0,
+              int64_t n, float* out) {
+#if defined(__AVX512F__)
+  for (int64_t c = 0; c < kBlock && col0 + c < n; c += 16) {
+    const __mmask16 inside = n - col0 - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col0 - c)) - 1);
+    const __m512i sums = _mm512_sub_epi32(_mm512_loadu_si512(acc + c), _mm512_slli_epi32(_mm512_loadu_si512(wsum + col0 + c), 7));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(row_scale), _mm512_maskz_loadu_ps(inside, ws + col0 + c));
+    __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
+    if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(inside, bias + col0 + c));
+    _mm512_mask_storeu_ps(out + col0 + c, inside, value);
+  }
+#else
+  for (int64_t c = 0; c < kBlock && col0 + c < n; ++c) {
+    float value = static_cast<float>(acc[c] - 128 * wsum[col0 + c]) * (row_scale * ws[col0 + c]);
+    if (bias) value = value + bias[col0 + c];
+    out[col0 + c] = value;
+  }
+#endif
+}
+
+// An int8 linear layer as Int8Linear holds it: packed weights, their row sums, per-channel
+// scales, and an optional bias and input smoothing (empty tensors when absent).
+struct Int8Layer {
+  const int8_t* packed;
+  const int32_t* sums;
+  const float* scale;
+  const float* bias;
+  const float* smoothing;
+  int64_t blocks, k_steps, n;
+
+  Int8Layer(const torch::Tensor& packed_, const torch::Tensor& sums_, const torch::Tensor& scale_, const torch::Tensor& bias_,
+            const torch::Tensor& smoothing_, int64_t n_)
+      : packed(packed_.data_ptr<int8_t>()), sums(sums_.data_ptr<int32_t>()), scale(scale_.data_ptr<float>()),
+        bias(bias_.defined() && bias_.numel() ? bias_.data_ptr<float>() : nullptr),
+        smoothing(smoothing_.defined() && smoothing_.numel() ? smoothing_.data_ptr<float>() : nullptr),
+        blocks(packed_.size(0)), k_steps(packed_.size(1)), n(n_) {}
+
+  // out[m][n] = float(sum_k q[m][k] w[n][k]) * (row_scale[m] * w_scale[n]) (+ bias[n]), x
+  // quantized per row: Int8Linear's torch path, operation for operation.
+  void apply(const float* x, int64_t m, int64_t k, float* out) const {
+    const int64_t k_pad = k_steps * 4;
+    TORCH_CHECK(k_pad == round_up(k, 4) && blocks * kBlock >= n, "packed weights do not match the input");
+    std::vector<uint8_t> xq(m * k_pad);
+    std::vector<float> row_scale(m);
+    for (int64_t r = 0; r < m; ++r) row_scale[r] = quantize_row(x + r * k, smoothing, k, k_pad, xq.data() + r * k_pad);
+    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      int32_t acc[kRows * kBlock];
+      const int64_t groups = (m + kRows - 1) / kRows;
+      for (int64_t blk = first; blk < last; ++blk) {
+        const int8_t* block = packed + blk * k_steps * kBlock * 4;
+        for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly: 9 -> 5 + 4, not 8 + 1
+          const int rows = static_cast<int>((m - r0) / (groups - g));
+          rows_dot<kRows>(rows, xq.data() + r0 * k_pad, k_pad, block, k_steps, acc);
+          for (int r = 0; r < rows; ++r)
+            epilogue(acc + r * kBlock, sums, scale, bias, row_scale[r0 + r], blk * kBlock, n, out + (r0 + r) * n);
+          r0 += rows;
+        }
+      }
+    });
+  }
+};
+
+torch::Tensor int8_linear(torch::Tensor x, c10::optional<torch::Tensor> smoothing, torch::Tensor packed,
+                          torch::Tensor sums, torch::Tensor w_scale, c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "int8_linear takes float32 [M, K]");
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), n}, torch::kFloat32);
+  Int8Layer(packed, sums, w_scale, bias.value_or(torch::Tensor()), smoothing.value_or(torch::Tensor()), n)
+      .apply(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<float>());
+  return out;
+}
+
+#if defined(__AVX512F__)
+// exp(x) for 16 lanes (Cody-Waite reduction, degree-6 polynomial; ~2 ulp). Each lane's result
+// depends on that lane's input only.
+__m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// Scores q . k / sqrt(d) of G query heads (q rows [G][d]) against keys [0, needed) held
+// transposed, [d][stride], into scores [G][score_stride]. Each lane of a vector is one key's
+// dot product with one head, summed over d in order, so a score never depends on its
+// neighbours; G heads times four blocks of keys keep up to sixteen chains in flight. A lane's
+// result is the same whichever of the two loops computes it.
+template <int G>
+void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim, int64_t needed, float scale, float* scores,
+               int64_t score_stride) {
+#if defined(__AVX512F__)
+  const __m512 scaling = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 64 <= needed; j += 64) {
+    __m512 acc[G][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int b = 0; b < 4; ++b) acc[g][b] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const float* row = keys_t + d * stride + j;
+      const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16), k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512 qd = _mm512_set1_ps(q[g * dim + d]);
+        acc[g][0] = _mm512_fmadd_ps(qd, k0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(qd, k1, acc[g][1]);
+        acc[g][2] = _mm512_fmadd_ps(qd, k2, acc[g][2]);
+        acc[g][3] = _mm512_fmadd_ps(qd, k3, acc[g][3]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int b = 0; b < 4; ++b) _mm512_storeu_ps(scores + g * score_stride + j + 16 * b, _mm512_mul_ps(acc[g][b], scaling));
+  }
+  for (; j < needed; j += 16) {
+    const __mmask16 inside = needed - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (needed - j)) - 1);
+    __m512 acc[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m512 k = _mm512_maskz_loadu_ps(inside, keys_t + d * stride + j);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dim + d]), k, acc[g]);
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores + g * score_stride + j, inside, _mm512_mul_ps(acc[g], scaling));
+  }
+#else
+  for (int g = 0; g < G; ++g)
+    for (int64_t j = 0; j < needed; ++j) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot = dot + q[g * dim + d] * keys_t[d * stride + j];
+      scores[g * score_stride + j] = dot * scale;
+    }
+#endif
+}
+
+// scores <- exp(scores - max) over `count` scores; returns their sum. Whole vectors only (the
+// tail masked), so a score's exp never depends on where it sits.
+float softmax_numerators(float* scores, int64_t count) {
+#if defined(__AVX512F__)
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 real = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+    top = _mm512_mask_max_ps(top, real, top, _mm512_maskz_loadu_ps(real, scores + j));
+  }
+  const float largest = _mm512_reduce_max_ps(top);  // a maximum is the same in any order
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 real = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(real, scores + j), _mm512_set1_ps(largest))));
+    _mm512_mask_storeu_ps(scores + j, real, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
+  float largest = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < count; ++j) largest = std::max(largest, scores[j]);
+  float total = 0.f;
+  for (int64_t j = 0; j < count; ++j) {
+    scores[j] = std::exp(scores[j] - largest);
+    total = total + scores[j];
+  }
+  return total;
+#endif
+}
+
+// out[g] = sum_j weights[g][j] v_seen[j] / totals[g] for G query heads sharing the keys: each
+// value row is loaded once for all of them, and each head's sum runs over j in order.
+template <int G>
+void weighted_values(const float* values, int64_t dim, const int64_t* seen, int64_t count, const float* weights, int64_t weight_stride,
+                     const float* totals, float* out, int64_t out_stride) {
+#if defined(__AVX512F__)
+  if (dim == 64) {
+    __m512 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; ++j) {
+      const float* value = values + seen[j] * dim;
+      __m512 v[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(weights[g * weight_stride + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * out_stride + 16 * c, _mm512_div_ps(acc[g][c], _mm512_set1_ps(totals[g])));
+    return;
+  }
+#endif
+  for (int g = 0; g < G; ++g) {
+    float* o = out + g * out_stride;
+    for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
+    for (int64_t j = 0; j < count; ++j) {
+      const float* value = values + seen[j] * dim;
+      const float p = weights[g * weight_stride + j];
+      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p * value[d];
+    }
+    for (int64_t d = 0; d < dim; ++d) o[d] = o[d] / totals[g];
+  }
+}
+
+// Attention for T queries (q [T, heads, d] rows) over the first `length` positions of a cache
+// holding keys [kv_heads][d][capacity] (transposed) and values [kv_heads][capacity][d];
+// `allowed` [T, length] or null (causal: query t sees positions up to start + t).
+// Writes out [T, heads * d]. One work item is one row's query heads of one key/value head.
+void attend(const float* q, int64_t t, int64_t heads, int64_t dim, const float* keys_t, const float* values, int64_t kv_heads,
+            int64_t capacity, int64_t length, int64_t start, const bool* allowed, float* out) {
+  const int64_t groups = heads / kv_heads, head_stride = capacity * dim, padded = round_up(length, 16);
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  at::parallel_for(0, t * kv_heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<int64_t> seen(length);
+    std::vector<float> all_scores(4 * padded), weights(4 * padded), totals(4);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t row = item / kv_heads, kv = item % kv_heads;
+      int64_t count = 0;
+      if (allowed) {
+        for (int64_t j = 0; j < length; ++j)
+          if (allowed[row * length + j]) seen[count++] = j;
+      } else {
+        for (int64_t j = 0; j <= start + row; ++j) seen[count++] = j;
+      }
+      const int64_t needed = count ? seen[count - 1] + 1 : 0;
+      const float* qs = q + (row * heads + kv * groups) * dim;
+      const float* k = keys_t + kv * head_stride;
+      const float* v = values + kv * head_stride;
+      float* o = out + row * heads * dim + kv * groups * dim;
+      for (int64_t g = 0; g < groups;) {  // up to four query heads share each pass over keys and values
+        const int64_t take = std::min<int64_t>(4, groups - g);
+        switch (take) {
+          case 4: scores_of<4>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded); break;
+          case 3: scores_of<3>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded); break;
+          case 2: scores_of<2>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded); break;
+          default: scores_of<1>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded);
+        }
+        for (int64_t h = 0; h < take; ++h) {
+          float* w = weights.data() + h * padded;
+          const float* from = all_scores.data() + h * padded;
+          for (int64_t j = 0; j < count; ++j) w[j] = from[seen[j]];
+          totals[h] = softmax_numerators(w, count);
+        }
+        switch (take) {
+          case 4: weighted_values<4>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim); break;
+          case 3: weighted_values<3>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim); break;
+          case 2: weighted_values<2>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim); break;
+          default: weighted_values<1>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim);
+        }
+        g += take;
+      }
+    }
+  });
+}
+
+const bool* mask_rows(const c10::optional<torch::Tensor>& mask, int64_t t, int64_t length, torch::Tensor& holder) {
+  if (!mask) return nullptr;
+  holder = mask->to(torch::kBool).contiguous();
+  TORCH_CHECK(holder.dim() == 2 && holder.size(0) == t && holder.size(1) == length, "mask must be [T, length]");
+  return holder.data_ptr<bool>();
+}
+
+// One layer's cache: keys [KV, d, capacity] (transposed), values [KV, capacity, d], both dense.
+void check_cache(const torch::Tensor& keys, const torch::Tensor& values) {
+  TORCH_CHECK(keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32, "the cache must be float32");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.size(0) == values.size(0) && keys.size(1) == values.size(2) &&
+                  keys.size(2) == values.size(1) && keys.is_contiguous() && values.is_contiguous(),
+              "keys must be [KV, d, capacity] and values [KV, capacity, d], dense");
+}
+
+// q [T, H, d]; keys [KV, d, capacity] and values [KV, capacity, d] holding `length` positions
+// (the new tokens' at start .. start + T); mask [T, length] bool or none (causal). Returns [T, H * d].
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t length, int64_t start,
+                        c10::optional<torch::Tensor> mask) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "attention takes float32 q [T, H, d]");
+  check_cache(keys, values);
+  q = q.contiguous();
+  const int64_t t = q.size(0), heads = q.size(1), dim = q.size(2);
+  auto out = torch::empty({t, heads * dim}, torch::kFloat32);
+  torch::Tensor holder;
+  attend(q.data_ptr<float>(), t, heads, dim, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(0), keys.size(2),
+         length, start, mask_rows(mask, t, length, holder), out.data_ptr<float>());
+  return out;
+}
+
+// out = weight * (x / sqrt(mean(x^2) + eps)), one row; the squares summed in a fixed order.
+void rms_norm(const float* x, const float* weight, float eps, int64_t h, float* out) {
+  float squares = 0.f;
+#if defined(__AVX512F__)
+  if (h % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    squares = _mm512_reduce_add_ps(acc);
+  } else
+#endif
+    for (int64_t i = 0; i < h; ++i) squares = squares + x[i] * x[i];
+  const float inverse = 1.f / std::sqrt(squares / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) out[i] = weight[i] * (x[i] * inverse);
+}
+
+// x * cos + rotate_half(x) * sin for one head's row, as transformers' apply_rotary_pos_emb.
+void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  float rotated[512];
+  for (int64_t i = 0; i < half; ++i) rotated[i] = -x[i + half];
+  for (int64_t i = half; i < dim; ++i) rotated[i] = x[i - half];
+  for (int64_t i = 0; i < dim; ++i) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
+}
+
+// silu(gate) * (up + delta) = gate / (1 + exp(-gate)) * (up + delta), elementwise.
+void swiglu(const float* gate, const float* up, const float* delta, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 inside = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(inside, gate + i);
+    __m512 u = _mm512_maskz_loadu_ps(inside, up + i);
+    if (delta) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(inside, delta + i));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    _mm512_mask_storeu_ps(out + i, inside, _mm512_mul_ps(silu, u));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = delta ? up[i] + delta[i] : up[i];
+    out[i] = gate[i] / (1.f + std::exp(-gate[i])) * u;
+  }
+#endif
+}
+
+// One Llama-family decoder layer with int8 linears over T new tokens x [T, hidden]:
+//   x += o(attention(rotary(q, k), v)) with q|k|v = qkv(norm_in(x)), k and v written to the cache;
+//   x += down(silu(gate) * (up + delta)) with gate|up = gate_up(norm_post(x)).
+// `weights`: norm_in, then qkv's (packed, sums, scale, bias, smoothing), o's, norm_post,
+// gate_up's, down's; `widths`: the four layers' output widths. Returns the new x.
+torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> widths, double eps,
+                                 torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t start,
+                                 c10::optional<torch::Tensor> mask, int64_t heads, c10::optional<torch::Tensor> delta) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && weights.size() == 22 && widths.size() == 4, "bad layer arguments");
+  check_cache(keys, values);
+  x = x.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t t = x.size(0), hidden = x.size(1), kv_heads = keys.size(0), dim = keys.size(1), capacity = keys.size(2);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim, length = start + t;
+  TORCH_CHECK(dim <= 512 && widths[0] == q_size + 2 * kv_size && length <= capacity, "layer shapes do not match the cache");
+  const auto linear = [&](int i, int64_t width) { return Int8Layer(weights[i], weights[i + 1], weights[i + 2], weights[i + 3], weights[i + 4], width); };
+  const Int8Layer qkv = linear(1, widths[0]), o = linear(6, widths[1]), gate_up = linear(12, widths[2]), down = linear(17, widths[3]);
+  const float* norm_in = weights[0].data_ptr<float>();
+  const float* norm_post = weights[11].data_ptr<float>();
+  const int64_t inner = widths[2] / 2;
+  const float* up_delta = nullptr;
+  torch::Tensor delta_rows;
+  if (delta) {
+    delta_rows = delta->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(delta_rows.numel() == inner, "delta must have one value per intermediate channel");
+    up_delta = delta_rows.data_ptr<float>();
+  }
+
+  auto out = x.clone();
+  float* h = out.data_ptr<float>();
+  std::vector<float> normed(t * hidden), projected(t * std::max(widths[0], widths[2])), attended(t * q_size), q(t * q_size);
+  for (int64_t r = 0; r < t; ++r) rms_norm(h + r * hidden, norm_in, static_cast<float>(eps), hidden, normed.data() + r * hidden);
+  qkv.apply(normed.data(), t, hidden, projected.data());
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r) {
+    float* row = projected.data() + r * widths[0];
+    const float* c = cos.data_ptr<float>() + r * dim;
+    const float* sn = sin.data_ptr<float>() + r * dim;
+    for (int64_t head = 0; head < heads; ++head) {
+      rotate(row + head * dim, c, sn, dim);
+      std::memcpy(q.data() + (r * heads + head) * dim, row + head * dim, dim * sizeof(float));
+    }
+    for (int64_t head = 0; head < kv_heads; ++head) {
+      float* key = row + q_size + head * dim;
+      rotate(key, c, sn, dim);
+      for (int64_t d = 0; d < dim; ++d) kp[(head * dim + d) * capacity + start + r] = key[d];
+      std::memcpy(vp + (head * capacity + start + r) * dim, row + q_size + kv_size + head * dim, dim * sizeof(float));
+    }
+  }
+  torch::Tensor holder;
+  attend(q.data(), t, heads, dim, kp, vp, kv_heads, capacity, length, start, mask_rows(mask, t, length, holder), attended.data());
+  o.apply(attended.data(), t, q_size, projected.data());
+  for (int64_t i = 0; i < t * hidden; ++i) h[i] = h[i] + projected[i];
+
+  for (int64_t r = 0; r < t; ++r) rms_norm(h + r * hidden, norm_post, static_cast<float>(eps), hidden, normed.data() + r * hidden);
+  gate_up.apply(normed.data(), t, hidden, projected.data());
+  std::vector<float> activated(t * inner);
+  for (int64_t r = 0; r < t; ++r) {
+    const float* row = projected.data() + r * widths[2];
+    swiglu(row, row + inner, up_delta, inner, activated.data() + r * inner);
+  }
+  down.apply(activated.data(), t, inner, normed.data());
+  for (int64_t i = 0; i < t * hidden; ++i) h[i] = h[i] + normed[i];
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("pack_weight", &pack_weight);
+  module.def("weight_sums", &weight_sums);
+  module.def("int8_linear", &int8_linear);
+  module.def("attention", &attention);
+  module.def("int8_decoder_layer", &int8_decoder_layer);
+}
