@@ -22,13 +22,16 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // output channels per packed block
-constexpr int64_t kRows = 8;    // rows multiplied against one pass over a block's weights (8: no register spills)
+constexpr int64_t kBlock = 16;  // output channels per packed block: one vector
+// Rows multiplied in one pass over a block's weights: up to 16 accumulators stay in registers,
+// and with 16 rows a byte of weights feeds 16 multiply-adds, so the weights stream from memory
+// once while the arithmetic hides under the transfer.
+constexpr int64_t kRows = 16;
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
-// Weights int8 [N, K] -> [N/32, K/4, 32, 4]: each 128-byte step holds four consecutive inputs
-// of 32 output channels, the order VNNI's 4-way dot product reads them in.
+// Weights int8 [N, K] -> [N/16, K/4, 16, 4]: each 64-byte step holds four consecutive inputs
+// of 16 output channels, the order VNNI's 4-way dot product reads them in.
 torch::Tensor pack_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dtype() == torch::kInt8 && weight.dim() == 2, "pack_weight takes int8 [N, K]");
   weight = weight.contiguous();
@@ -53,6 +56,22 @@ torch::Tensor weight_sums(torch::Tensor weight) {
 // One row: scale = max|x * smoothing| / 127, q = round(x / scale) + 128, the same float
 // operations as Int8Linear's torch path, so both give the same integers.
 float quantize_row(const float* x, const float* smoothing, int64_t k, int64_t k_pad, uint8_t* out) {
+#if defined(__AVX512F__)
+  const auto lanes = [k](int64_t i) { return k - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (k - i)) - 1); };
+  const auto smoothed = [&](int64_t i) {
+    const __m512 v = _mm512_maskz_loadu_ps(lanes(i), x + i);
+    return smoothing ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes(i), smoothing + i)) : v;
+  };
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(smoothed(i)));
+  const float scale = std::max(_mm512_reduce_max_ps(top), 1e-12f) / 127.f;
+  const __m512 divisor = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(smoothed(i), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(rounded), _mm512_set1_epi32(128));
+    _mm_mask_storeu_epi8(out + i, lanes(i), _mm512_cvtepi32_epi8(shifted));
+  }
+#else
   std::vector<float> smoothed(x, x + k);
   if (smoothing)
     for (int64_t i = 0; i < k; ++i) smoothed[i] = x[i] * smoothing[i];
@@ -60,36 +79,51 @@ float quantize_row(const float* x, const float* smoothing, int64_t k, int64_t k_
   for (int64_t i = 0; i < k; ++i) largest = std::max(largest, std::fabs(smoothed[i]));
   const float scale = std::max(largest, 1e-12f) / 127.f;
   for (int64_t i = 0; i < k; ++i) out[i] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(smoothed[i] / scale)) + 128);
+#endif
   std::memset(out + k, 128, k_pad - k);  // zero after the shift; padded weights are zero too
   return scale;
 }
 
-// acc[r][c] = sum over k of x[r][k] * w[c][k] for `rows` rows and the 32 channels of a block.
+// acc[r][c] = sum over k of x[r][k] * w[c][k] for R rows and the 16 channels of a block.
+// Integer sums are exact, so how they are split and ordered never changes a result.
 template <int R>
 void block_dot(const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t k_steps, int32_t* acc) {
 #if defined(__AVX512VNNI__)
-  __m512i lo[R], hi[R];
+  constexpr int kChains = R == 1 ? 2 : 1;  // one row: two chains, odd and even steps, hide the latency
+  __m512i sums[R][kChains];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
-  const int8_t* next = block + k_steps * 128;  // the next block, fetched while this one computes
-  for (int64_t s = 0; s < k_steps; ++s) {
-    _mm_prefetch(reinterpret_cast<const char*>(next + s * 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(next + s * 128 + 64), _MM_HINT_T0);
-    const __m512i w_lo = _mm512_loadu_si512(block + s * 128);
-    const __m512i w_hi = _mm512_loadu_si512(block + s * 128 + 64);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kChains; ++c) sums[r][c] = _mm512_setzero_si512();
+  // Blocks lie one after another: fetch 2 KB ahead, running on into the next block.
+  const int8_t* ahead = block + 2048;
+  int64_t s = 0;
+  for (; s + kChains <= k_steps; s += kChains) {
+#pragma GCC unroll 2
+    for (int c = 0; c < kChains; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (s + c) * 64), _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(block + (s + c) * 64);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, x + r * x_stride + (s + c) * 4, 4);
+        sums[r][c] = _mm512_dpbusd_epi32(sums[r][c], _mm512_set1_epi32(four), w);
+      }
+    }
+  }
+  for (; s < k_steps; ++s) {
+    const __m512i w = _mm512_loadu_si512(block + s * 64);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x + r * x_stride + s * 4, 4);
-      const __m512i xs = _mm512_set1_epi32(four);
-      lo[r] = _mm512_dpbusd_epi32(lo[r], xs, w_lo);
-      hi[r] = _mm512_dpbusd_epi32(hi[r], xs, w_hi);
+      sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], _mm512_set1_epi32(four), w);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_si512(acc + r * kBlock, lo[r]);
-    _mm512_storeu_si512(acc + r * kBlock + 16, hi[r]);
+    __m512i total = sums[r][0];
+    for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[r][c]);
+    _mm512_storeu_si512(acc + r * kBlock, total);
   }
 #else
   for (int r = 0; r < R; ++r)
@@ -162,7 +196,7 @@ struct Int8Layer {
       const int64_t groups = (m + kRows - 1) / kRows;
       for (int64_t blk = first; blk < last; ++blk) {
         const int8_t* block = packed + blk * k_steps * kBlock * 4;
-        for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly: 9 -> 5 + 4, not 8 + 1
+        for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly: 17 -> 9 + 8, not 16 + 1
           const int rows = static_cast<int>((m - r0) / (groups - g));
           rows_dot<kRows>(rows, xq.data() + r0 * k_pad, k_pad, block, k_steps, acc);
           for (int r = 0; r < rows; ++r)
