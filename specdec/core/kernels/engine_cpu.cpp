@@ -94,13 +94,14 @@ void block_dot(const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t 
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kChains; ++c) sums[r][c] = _mm512_setzero_si512();
-  // Blocks lie one after another: fetch 2 KB ahead, running on into the next block.
-  const int8_t* ahead = block + 2048;
+  // Blocks lie one after another: while this block computes, the next one streams into L2
+  // (every pass over the rows asks again; a line already there costs nothing).
+  const int8_t* next = block + k_steps * 64;
   int64_t s = 0;
   for (; s + kChains <= k_steps; s += kChains) {
 #pragma GCC unroll 2
     for (int c = 0; c < kChains; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (s + c) * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + (s + c) * 64), _MM_HINT_T1);
       const __m512i w = _mm512_loadu_si512(block + (s + c) * 64);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
@@ -183,14 +184,26 @@ struct Int8Layer {
         smoothing(smoothing_.defined() && smoothing_.numel() ? smoothing_.data_ptr<float>() : nullptr),
         blocks(packed_.size(0)), k_steps(packed_.size(1)), n(n_) {}
 
-  // out[m][n] = float(sum_k q[m][k] w[n][k]) * (row_scale[m] * w_scale[n]) (+ bias[n]), x
-  // quantized per row: Int8Linear's torch path, operation for operation.
-  void apply(const float* x, int64_t m, int64_t k, float* out) const {
-    const int64_t k_pad = k_steps * 4;
-    TORCH_CHECK(k_pad == round_up(k, 4) && blocks * kBlock >= n, "packed weights do not match the input");
-    std::vector<uint8_t> xq(m * k_pad);
-    std::vector<float> row_scale(m);
-    for (int64_t r = 0; r < m; ++r) row_scale[r] = quantize_row(x + r * k, smoothing, k, k_pad, xq.data() + r * k_pad);
+  int64_t k_pad() const { return k_steps * 4; }
+
+  // Each row of the input, made by make_row(r, buffer) as k floats, quantized for this layer.
+  // On one thread: a parallel region costs more here than these few microseconds of work.
+  template <typename MakeRow>
+  void quantize(int64_t m, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& row_scale) const {
+    TORCH_CHECK(k_pad() == round_up(k, 4), "packed weights do not match the input");
+    xq.resize(m * k_pad());
+    row_scale.resize(m);
+    std::vector<float> row(k);
+    for (int64_t r = 0; r < m; ++r) {
+      make_row(r, row.data());
+      row_scale[r] = quantize_row(row.data(), smoothing, k, k_pad(), xq.data() + r * k_pad());
+    }
+  }
+
+  // out[m][n] = float(sum_k q[m][k] w[n][k]) * (row_scale[m] * w_scale[n]) (+ bias[n]): Int8Linear's
+  // torch path, operation for operation.
+  void multiply(const std::vector<uint8_t>& xq, const std::vector<float>& row_scale, int64_t m, float* out) const {
+    TORCH_CHECK(blocks * kBlock >= n, "packed weights do not match the output");
     at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
       int32_t acc[kRows * kBlock];
       const int64_t groups = (m + kRows - 1) / kRows;
@@ -198,13 +211,20 @@ struct Int8Layer {
         const int8_t* block = packed + blk * k_steps * kBlock * 4;
         for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly: 17 -> 9 + 8, not 16 + 1
           const int rows = static_cast<int>((m - r0) / (groups - g));
-          rows_dot<kRows>(rows, xq.data() + r0 * k_pad, k_pad, block, k_steps, acc);
+          rows_dot<kRows>(rows, xq.data() + r0 * k_pad(), k_pad(), block, k_steps, acc);
           for (int r = 0; r < rows; ++r)
             epilogue(acc + r * kBlock, sums, scale, bias, row_scale[r0 + r], blk * kBlock, n, out + (r0 + r) * n);
           r0 += rows;
         }
       }
     });
+  }
+
+  void apply(const float* x, int64_t m, int64_t k, float* out) const {
+    std::vector<uint8_t> xq;
+    std::vector<float> row_scale;
+    quantize(m, k, [&](int64_t r, float* row) { std::memcpy(row, x + r * k, k * sizeof(float)); }, xq, row_scale);
+    multiply(xq, row_scale, m, out);
   }
 };
 
@@ -384,6 +404,8 @@ void attend(const float* q, int64_t t, int64_t heads, int64_t dim, const float* 
         for (int64_t j = 0; j <= start + row; ++j) seen[count++] = j;
       }
       const int64_t needed = count ? seen[count - 1] + 1 : 0;
+      int64_t prefix = 0;  // seen[j] == j up to here (the committed context): copied, not gathered
+      while (prefix < count && seen[prefix] == prefix) ++prefix;
       const float* qs = q + (row * heads + kv * groups) * dim;
       const float* k = keys_t + kv * head_stride;
       const float* v = values + kv * head_stride;
@@ -399,7 +421,8 @@ void attend(const float* q, int64_t t, int64_t heads, int64_t dim, const float* 
         for (int64_t h = 0; h < take; ++h) {
           float* w = weights.data() + h * padded;
           const float* from = all_scores.data() + h * padded;
-          for (int64_t j = 0; j < count; ++j) w[j] = from[seen[j]];
+          std::memcpy(w, from, prefix * sizeof(float));
+          for (int64_t j = prefix; j < count; ++j) w[j] = from[seen[j]];
           totals[h] = softmax_numerators(w, count);
         }
         switch (take) {
@@ -522,9 +545,12 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> wei
 
   auto out = x.clone();
   float* h = out.data_ptr<float>();
-  std::vector<float> normed(t * hidden), projected(t * std::max(widths[0], widths[2])), attended(t * q_size), q(t * q_size);
-  for (int64_t r = 0; r < t; ++r) rms_norm(h + r * hidden, norm_in, static_cast<float>(eps), hidden, normed.data() + r * hidden);
-  qkv.apply(normed.data(), t, hidden, projected.data());
+  std::vector<uint8_t> xq;
+  std::vector<float> row_scale, projected(t * std::max(widths[0], widths[2])), attended(t * q_size), q(t * q_size);
+  const float epsilon = static_cast<float>(eps);
+
+  qkv.quantize(t, hidden, [&](int64_t r, float* row) { rms_norm(h + r * hidden, norm_in, epsilon, hidden, row); }, xq, row_scale);
+  qkv.multiply(xq, row_scale, t, projected.data());
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   for (int64_t r = 0; r < t; ++r) {
@@ -544,18 +570,23 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> wei
   }
   torch::Tensor holder;
   attend(q.data(), t, heads, dim, kp, vp, kv_heads, capacity, length, start, mask_rows(mask, t, length, holder), attended.data());
-  o.apply(attended.data(), t, q_size, projected.data());
-  for (int64_t i = 0; i < t * hidden; ++i) h[i] = h[i] + projected[i];
+  o.quantize(t, q_size, [&](int64_t r, float* row) { std::memcpy(row, attended.data() + r * q_size, q_size * sizeof(float)); }, xq, row_scale);
+  o.multiply(xq, row_scale, t, projected.data());
 
-  for (int64_t r = 0; r < t; ++r) rms_norm(h + r * hidden, norm_post, static_cast<float>(eps), hidden, normed.data() + r * hidden);
-  gate_up.apply(normed.data(), t, hidden, projected.data());
-  std::vector<float> activated(t * inner);
-  for (int64_t r = 0; r < t; ++r) {
-    const float* row = projected.data() + r * widths[2];
-    swiglu(row, row + inner, up_delta, inner, activated.data() + r * inner);
-  }
-  down.apply(activated.data(), t, inner, normed.data());
-  for (int64_t i = 0; i < t * hidden; ++i) h[i] = h[i] + normed[i];
+  // x += o(...), then the MLP's input: its norm, quantized; one pass over each row.
+  gate_up.quantize(t, hidden, [&](int64_t r, float* row) {
+    float* hr = h + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) hr[i] = hr[i] + projected[r * hidden + i];
+    rms_norm(hr, norm_post, epsilon, hidden, row);
+  }, xq, row_scale);
+  gate_up.multiply(xq, row_scale, t, projected.data());
+  down.quantize(t, inner, [&](int64_t r, float* row) {
+    const float* gu = projected.data() + r * widths[2];
+    swiglu(gu, gu + inner, up_delta, inner, row);
+  }, xq, row_scale);
+  std::vector<float> mlp(t * hidden);
+  down.multiply(xq, row_scale, t, mlp.data());
+  for (int64_t i = 0; i < t * hidden; ++i) h[i] = h[i] + mlp[i];
   return out;
 }
 
