@@ -28,7 +28,7 @@ class Int8Linear(torch.nn.Module):
     """A linear layer with int8 weights (per output channel) and int8 activations (per row).
 
     On a CPU the engine's native kernel (specdec/core/kernels) quantizes the rows and streams
-    the packed weights once for up to 12 rows at a time. Without it, one row runs ATen's int8
+    the packed weights once for up to 16 rows at a time. Without it, one row runs ATen's int8
     matrix multiply and several rows oneDNN's prepacked int8 kernel. All of them sum the same
     integers exactly and convert the sum to float32 the same way, so the kernel never changes
     a result."""

@@ -34,16 +34,12 @@ int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1
 // of 16 output channels, the order VNNI's 4-way dot product reads them in.
 torch::Tensor pack_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dtype() == torch::kInt8 && weight.dim() == 2, "pack_weight takes int8 [N, K]");
-  weight = weight.contiguous();
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t n_pad = round_up(n, kBlock), k_pad = round_up(k, 4);
-  auto packed = torch::zeros({n_pad / kBlock, k_pad / 4, kBlock, 4}, torch::kInt8);
-  const int8_t* src = weight.data_ptr<int8_t>();
-  int8_t* dst = packed.data_ptr<int8_t>();
-  for (int64_t row = 0; row < n; ++row)
-    for (int64_t col = 0; col < k; ++col)
-      dst[(((row / kBlock) * (k_pad / 4) + col / 4) * kBlock + row % kBlock) * 4 + col % 4] = src[row * k + col];
-  return packed;
+  return torch::constant_pad_nd(weight, {0, k_pad - k, 0, n_pad - n})
+      .view({n_pad / kBlock, kBlock, k_pad / 4, 4})
+      .permute({0, 2, 1, 3})
+      .contiguous();
 }
 
 // Row sums of the weights, padded to the block: activations enter the kernel as x + 128
