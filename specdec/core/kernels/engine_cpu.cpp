@@ -391,7 +391,7 @@ void attend(const float* q, int64_t t, int64_t heads, int64_t dim, const float* 
     std::vector<int64_t> seen(length);
     std::vector<float> all_scores(4 * padded), weights(4 * padded), totals(4);
     for (int64_t item = first; item < last; ++item) {
-      const int64_t row = item / kv_heads, kv = item % kv_heads;
+      const int64_t kv = item / t, row = item % t;  // one key/value head's rows in turn: its keys stay in cache
       int64_t count = 0;
       if (allowed) {
         for (int64_t j = 0; j < length; ++j)
