@@ -138,6 +138,21 @@ def test_int8_tree_pass_equals_one_token_steps(tiny_model, kernels):
             assert torch.equal(step_logits[-1], logits[node + 1]), f"node {node}"
 
 
+def test_native_prefill_equals_feeding_the_prompt_in_parts(tiny_model):
+    """With the native layers a prompt's prefill is batch-invariant like every other pass."""
+    model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()
+    quantize_linears(model)
+    engine = LlamaEngine(model)
+    prompt = [1, 5, 7, 3, 9, 11, 12, 4, 6, 8]
+    with torch.inference_mode():
+        whole, _ = engine(engine.new_cache(), prompt, num_logits=4, prefill=True)
+        cache = engine.new_cache()
+        engine(cache, prompt[:3], prefill=True)
+        engine(cache, prompt[3:6])
+        parts, _ = engine(cache, prompt[6:], num_logits=4)
+    assert torch.equal(whole, parts)
+
+
 def test_native_decoder_layers_compute_what_the_torch_layers_compute(tiny_model):
     """The one-call native layer (norms, rotary, cache writes, attention, SwiGLU with an SD²
     delta) against the same engine's layer-by-layer torch forward: equal up to float rounding."""

@@ -215,9 +215,10 @@ class LlamaEngine(torch.nn.Module):
         """Feeds `input_ids` after the cached tokens: (logits of the last `num_logits` positions,
         float32; the residual stream after each layer as transformers' output_hidden_states
         gives it, or None). Without a mask every token sees the cache and the tokens before it.
-        `prefill` (an empty cache, no mask) runs torch's attention kernels: many times faster on
-        long prompts, but a token's result then depends on the pass, so only a prefix that every
-        way of decoding feeds in the same single pass may take it (a session's prompt)."""
+        `prefill` (an empty cache, no mask) lets the torch-ops path run torch's attention kernels:
+        many times faster on long prompts, but a token's result then depends on the pass, so only
+        a prefix that every way of decoding feeds in the same single pass may take it (a
+        session's prompt). The native layers are batch-invariant and need no such care."""
         start, count = cache.length, len(input_ids)
         if prefill and (start or attention_mask is not None or position_ids is not None):
             raise ValueError("prefill feeds a prompt into an empty cache, causally")
@@ -232,7 +233,7 @@ class LlamaEngine(torch.nn.Module):
         keep = [x[None]] if hidden_states else None
         for index, block in enumerate(self.layers):
             delta = self.up_delta(index) if self.up_delta is not None else None
-            if self.native_layers is not None and not prefill:
+            if self.native_layers is not None:
                 weights, widths, eps = self.native_layers[index]
                 x = native().int8_decoder_layer(x, weights, widths, eps, cos[:, 0], sin[:, 0], cache.keys[index], cache.values[index],
                                                 start, mask, heads, delta)
