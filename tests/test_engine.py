@@ -71,24 +71,26 @@ def test_engine_gives_transformers_logits_and_hidden_states(tiny_model):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(hidden, reference.hidden_states))
 
 
+def test_native_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("SPECDEC_NATIVE_KERNELS", "0")
+    assert native.__wrapped__() is None
+
+
 @pytest.mark.parametrize("shape", [(37, 13), (960, 576), (70, 1536)])
-def test_native_int8_linear_equals_the_torch_ops_bit_for_bit(shape):
-    """Odd widths (padding to the 32-channel blocks and 4-input steps), every row count the
+def test_native_int8_linear_equals_the_torch_ops_bit_for_bit(shape, monkeypatch):
+    """Odd widths (padding to the 16-channel blocks and 4-input steps), every row count the
     kernel groups differently, with and without bias and smoothing."""
     torch.manual_seed(1)
     out_features, in_features = shape
     linear = torch.nn.Linear(in_features, out_features)
     for layer in (Int8Linear.from_linear(linear), Int8Linear.from_linear(linear, torch.rand(in_features) + 0.1)):
-        kernels = native()
-        packed, sums = kernels.pack_weight(layer.weight), kernels.weight_sums(layer.weight)
-        reference = Int8Linear(layer.weight, layer.scale, layer.bias, layer.smoothing)
-        reference.kernels = None
-        reference.packed = torch.ops.onednn.qlinear_prepack(layer.weight, None)
-        reference._ones, reference._zeros = torch.ones(out_features), torch.zeros(out_features, dtype=torch.long)
-        for rows in (1, 2, 5, 8, 9, 13, 17, 33):
+        assert layer.kernels is not None
+        with monkeypatch.context() as torch_ops:
+            torch_ops.setattr("specdec.core.engine.native", lambda: None)
+            reference = Int8Linear(layer.weight, layer.scale, layer.bias, layer.smoothing)
+        for rows in (1, 2, 5, 8, 9, 13, 16, 17, 33):
             x = torch.randn(rows, in_features) * 4
-            got = kernels.int8_linear(x, layer.smoothing, packed, sums, layer.scale, layer.bias, out_features)
-            assert torch.equal(got, reference(x)), rows
+            assert torch.equal(layer(x), reference(x)), rows
 
 
 def test_native_attention_gives_each_query_what_it_gets_alone():

@@ -309,9 +309,10 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start:
     groups = heads // kv_heads
     queries = q.double().permute(1, 0, 2).reshape(kv_heads, groups * count, dim)
     scores = torch.bmm(queries, keys.double().transpose(1, 2)) * dim**-0.5
-    if mask is None:
+    if mask is None and count > 1:  # one query sees every key: no mask
         mask = torch.ones(count, length, dtype=torch.bool, device=q.device).tril(start)
-    scores.masked_fill_(~mask.repeat(groups, 1), float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(~mask.repeat(groups, 1), float("-inf"))
     out = torch.bmm(torch.softmax(scores, dim=-1), values.double())
     return out.view(heads, count, dim).transpose(0, 1)
 

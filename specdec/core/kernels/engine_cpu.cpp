@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -29,6 +30,13 @@ constexpr int64_t kBlock = 16;  // output channels per packed block: one vector
 constexpr int64_t kRows = 16;
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+#if defined(__AVX512F__)
+// The lanes of a 16-wide vector that hold one of the `remaining` elements.
+__mmask16 lanes_of(int64_t remaining) {
+  return remaining >= 16 ? __mmask16(0xFFFF) : remaining > 0 ? static_cast<__mmask16>((1u << remaining) - 1) : __mmask16(0);
+}
+#endif
 
 // Weights int8 [N, K] -> [N/16, K/4, 16, 4]: each 64-byte step holds four consecutive inputs
 // of 16 output channels, the order VNNI's 4-way dot product reads them in.
@@ -53,7 +61,7 @@ torch::Tensor weight_sums(torch::Tensor weight) {
 // operations as Int8Linear's torch path, so both give the same integers.
 float quantize_row(const float* x, const float* smoothing, int64_t k, int64_t k_pad, uint8_t* out) {
 #if defined(__AVX512F__)
-  const auto lanes = [k](int64_t i) { return k - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (k - i)) - 1); };
+  const auto lanes = [k](int64_t i) { return lanes_of(k - i); };
   const auto smoothed = [&](int64_t i) {
     const __m512 v = _mm512_maskz_loadu_ps(lanes(i), x + i);
     return smoothing ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes(i), smoothing + i)) : v;
@@ -147,7 +155,7 @@ void epilogue(const int32_t* acc, const int32_t* wsum, const float* ws, const fl
               int64_t n, float* out) {
 #if defined(__AVX512F__)
   for (int64_t c = 0; c < kBlock && col0 + c < n; c += 16) {
-    const __mmask16 inside = n - col0 - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col0 - c)) - 1);
+    const __mmask16 inside = lanes_of(n - col0 - c);
     const __m512i sums = _mm512_sub_epi32(_mm512_loadu_si512(acc + c), _mm512_slli_epi32(_mm512_loadu_si512(wsum + col0 + c), 7));
     const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(row_scale), _mm512_maskz_loadu_ps(inside, ws + col0 + c));
     __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
@@ -288,7 +296,7 @@ void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim,
       for (int b = 0; b < 4; ++b) _mm512_storeu_ps(scores + g * score_stride + j + 16 * b, _mm512_mul_ps(acc[g][b], scaling));
   }
   for (; j < needed; j += 16) {
-    const __mmask16 inside = needed - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (needed - j)) - 1);
+    const __mmask16 inside = lanes_of(needed - j);
     __m512 acc[G];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
@@ -316,13 +324,13 @@ float softmax_numerators(float* scores, int64_t count) {
 #if defined(__AVX512F__)
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < count; j += 16) {
-    const __mmask16 real = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+    const __mmask16 real = lanes_of(count - j);
     top = _mm512_mask_max_ps(top, real, top, _mm512_maskz_loadu_ps(real, scores + j));
   }
   const float largest = _mm512_reduce_max_ps(top);  // a maximum is the same in any order
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < count; j += 16) {
-    const __mmask16 real = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+    const __mmask16 real = lanes_of(count - j);
     const __m512 e = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(real, scores + j), _mm512_set1_ps(largest))));
     _mm512_mask_storeu_ps(scores + j, real, e);
     sum = _mm512_add_ps(sum, e);
@@ -408,24 +416,23 @@ void attend(const float* q, int64_t t, int64_t heads, int64_t dim, const float* 
       float* o = out + row * heads * dim + kv * groups * dim;
       for (int64_t g = 0; g < groups;) {  // up to four query heads share each pass over keys and values
         const int64_t take = std::min<int64_t>(4, groups - g);
+        const auto heads_of = [&](auto group) {
+          constexpr int G = decltype(group)::value;
+          scores_of<G>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded);
+          for (int h = 0; h < G; ++h) {
+            float* w = weights.data() + h * padded;
+            const float* from = all_scores.data() + h * padded;
+            std::memcpy(w, from, prefix * sizeof(float));
+            for (int64_t j = prefix; j < count; ++j) w[j] = from[seen[j]];
+            totals[h] = softmax_numerators(w, count);
+          }
+          weighted_values<G>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim);
+        };
         switch (take) {
-          case 4: scores_of<4>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded); break;
-          case 3: scores_of<3>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded); break;
-          case 2: scores_of<2>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded); break;
-          default: scores_of<1>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded);
-        }
-        for (int64_t h = 0; h < take; ++h) {
-          float* w = weights.data() + h * padded;
-          const float* from = all_scores.data() + h * padded;
-          std::memcpy(w, from, prefix * sizeof(float));
-          for (int64_t j = prefix; j < count; ++j) w[j] = from[seen[j]];
-          totals[h] = softmax_numerators(w, count);
-        }
-        switch (take) {
-          case 4: weighted_values<4>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim); break;
-          case 3: weighted_values<3>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim); break;
-          case 2: weighted_values<2>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim); break;
-          default: weighted_values<1>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim);
+          case 4: heads_of(std::integral_constant<int, 4>{}); break;
+          case 3: heads_of(std::integral_constant<int, 3>{}); break;
+          case 2: heads_of(std::integral_constant<int, 2>{}); break;
+          default: heads_of(std::integral_constant<int, 1>{});
         }
         g += take;
       }
@@ -494,7 +501,7 @@ void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
 void swiglu(const float* gate, const float* up, const float* delta, int64_t n, float* out) {
 #if defined(__AVX512F__)
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 inside = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 inside = lanes_of(n - i);
     const __m512 g = _mm512_maskz_loadu_ps(inside, gate + i);
     __m512 u = _mm512_maskz_loadu_ps(inside, up + i);
     if (delta) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(inside, delta + i));
