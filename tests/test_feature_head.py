@@ -4,6 +4,7 @@ the services stay exact with it for every tree method and for sampling, bad feat
 refused, and a short training run on tiny models aligns the head and resumes after a kill."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -264,3 +265,48 @@ def test_an_int8_head_drafts_like_the_float32_head(head_dir):
     assert len(chains[1]) == 6 and chains[1].token_ids[0] == chains[0].token_ids[0]
     with pytest.raises(ValueError, match="float32 or int8"):
         FeatureDrafter(ModelSpec(str(head_dir), dtype="bfloat16"))
+
+
+def test_batched_samples_equal_the_one_at_a_time_path(tiny_dirs, tiny_verifier, vocab_dir):
+    """The GPU data path (batched left-padded generate(), one teacher-forced pass per batch),
+    run here on the CPU: the same continuations, depths and targets as the sequential engine."""
+    from specdec.core.engine import TransformersEngine
+    from specdec.core.models import eos_token_ids, load_tokenizer
+    from specdec.train.feature_head import (
+        _continue,
+        _generate,
+        _loss,
+        _self_instruct,
+        _teacher_pass,
+        _text_chunks,
+    )
+
+    eos = eos_token_ids(tiny_verifier, load_tokenizer(str(tiny_dirs["verifier"])))
+    prompts = [[1, 4, 5], [1, 9], [3, 3, 8, 12, 7, 2], [5]]
+    runs = _generate(tiny_verifier, prompts, 10, eos, False, 3, "greedy")
+    vocab = torch.tensor(VOCAB)
+    batched = _teacher_pass(tiny_verifier, runs, LAYERS, vocab, 4, batch_tokens=20)
+    by_prompt = {len(s.tokens) - len(c): s for s, (_, c) in zip(sorted(batched, key=lambda s: s.prompt_len), sorted(runs, key=lambda r: len(r[0])))}
+    engine = TransformersEngine(tiny_verifier)
+    for prompt, continuation in runs:
+        assert continuation == hf_greedy(tiny_verifier, prompt, 10)[: len(continuation)]
+        one = _continue(engine, prompt, 10, LAYERS, vocab, 4, set(eos), None)
+        mine = by_prompt[len(prompt)]
+        assert mine.tokens.tolist() == one.tokens.tolist() and mine.prompt_len == one.prompt_len
+        torch.testing.assert_close(mine.hidden.float(), one.hidden.float(), atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(mine.target_probs.float(), one.target_probs.float(), atol=2e-3, rtol=1e-3)
+    # A text read whole, cut in chunks as _read_text cuts it: each chunk trained on all but its last.
+    text = _teacher_pass(tiny_verifier, [([1], [4, 5, 9, 3, 3, 8, 12, 7, 2, 6, 5])], LAYERS, vocab, 4)[0]
+    pieces = _text_chunks(text, 5)
+    starts = (0, 5)  # the 2 tokens from 10 on would train 1 position: _read_text drops such a tail too
+    assert [p.tokens.tolist() for p in pieces] == [text.tokens[i : i + 5].tolist() for i in starts]
+    for start, piece in zip(starts, pieces):
+        assert torch.equal(piece.target_ids, text.target_ids[start : start + len(piece.tokens) - 1])
+        assert torch.equal(piece.hidden, text.hidden[start : start + len(piece.tokens) - 1])
+    # The verifier writes prompts of its own: the template's opening, its words, the assistant's turn.
+    written = _self_instruct(tiny_verifier, load_tokenizer(str(tiny_dirs["verifier"])), 6, eos, 6)
+    assert all(len(p) > 3 for p in written)
+    # A position whose verifier puts no mass on the draft vocabulary pulls nowhere (no NaN).
+    head = FeatureHead.from_verifier(tiny_verifier, LAYERS, VOCAB)
+    silent = dataclasses.replace(batched[0], target_probs=torch.zeros_like(batched[0].target_probs))
+    assert torch.isfinite(_loss(head, [silent, batched[1]], 3))

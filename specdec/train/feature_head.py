@@ -7,6 +7,14 @@ distribution on the draft vocabulary (its top `target_top_k`) are cached. With `
 the verifier also reads every training prompt whole (long ones included) in one teacher-forced
 pass, cut into chunks of `text_chunk_tokens`: three times more positions for a fraction of the
 cost of generating them, which a head this size needs not to memorise its few samples.
+With `self_instruct_prompts`, the verifier also writes prompts of its own (Magpie: it samples
+the user turn of its chat template from nothing) and answers them: data on its own
+distribution beyond the training split.
+
+On a GPU (`device: cuda`) the verifier runs in float32 through transformers' forward, many
+sequences at a time: continuations come from batched `generate()`, then one teacher-forced pass
+per batch reads the depths and targets. The served int8 CPU engine is not there; its features
+differ from float32 ones by its quantization only, and the head is evaluated on them afterwards.
 
 Training-time test (EAGLE-3, HASS): the head is unrolled `unroll` steps. Step 1 reads the
 verifier's features. Step k reads, at position i, its own step k-1 output of position i-1,
@@ -29,6 +37,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import GenerationConfig
 
 from specdec.core.engine import engine_for
 from specdec.core.feature_head import FeatureHead, save_feature_head
@@ -75,11 +84,18 @@ class FeatureHeadConfig:
     seed: int = 0
     dtype: str = "float16"
     out: str = "runs/feature_head"
+    device: str = "cpu"  # "cuda": batched float32 samples and training on the GPU
+    self_instruct_prompts: int = 0  # prompts the verifier writes itself (Magpie), answered like the others
+    generation_batch: int = 256  # sequences generated at once (device: cuda)
 
     def __post_init__(self):
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be cpu or cuda[:N], got '{self.device}'")
+        if self.self_instruct_prompts < 0:
+            raise ConfigError("self_instruct_prompts must be >= 0")
         if self.layers and len(self.layers) != 3:
             raise ConfigError(f"layers must name 3 verifier depths, got {self.layers}")
-        for name in ("max_prompt_tokens", "sample_tokens", "samples_per_prompt", "text_chunk_tokens", "target_top_k", "unroll", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every"):
+        for name in ("max_prompt_tokens", "sample_tokens", "samples_per_prompt", "text_chunk_tokens", "target_top_k", "unroll", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every", "generation_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
 
@@ -119,34 +135,37 @@ def _continue(engine, prompt: list[int], max_new: int, layers: list[int], vocab_
 def _batch(samples: list[Sample], head: FeatureHead):
     """Right-padded ids (B, L), the previous position's fused feature (B, L, H) as it crosses
     the wire (float16), valid positions, and for each loss position (b, i) its target."""
+    device = head.vocab_ids.device
     width = max(len(s.tokens) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    previous = torch.zeros(len(samples), width, head.hidden_size)
-    valid = torch.zeros(len(samples), width, dtype=torch.bool)
+    ids = torch.zeros(len(samples), width, dtype=torch.long, device=device)
+    previous = torch.zeros(len(samples), width, head.hidden_size, device=device)
+    valid = torch.zeros(len(samples), width, dtype=torch.bool, device=device)
     rows, cols, target_ids, target_probs = [], [], [], []
     for b, s in enumerate(samples):
         n = len(s.tokens)
-        ids[b, :n], valid[b, :n] = s.tokens, True
-        fused = head.fuse.fuse_depths(s.hidden.float()).half().float()
+        ids[b, :n], valid[b, :n] = s.tokens.to(device), True
+        fused = head.fuse.fuse_depths(s.hidden.to(device).float()).half().float()
         previous[b, 1:n] = fused
         rows += [b] * (n - s.prompt_len)
         cols += list(range(s.prompt_len - 1, n - 1))
-        target_ids.append(s.target_ids.long())
-        target_probs.append(s.target_probs.float())
+        target_ids.append(s.target_ids.to(device).long())
+        target_probs.append(s.target_probs.to(device).float())
     probs = torch.cat(target_probs)
-    return ids, previous, valid, (torch.tensor(rows), torch.tensor(cols)), torch.cat(target_ids), probs / probs.sum(-1, keepdim=True)
+    where = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return ids, previous, valid, where, torch.cat(target_ids), probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)  # no draft-vocabulary mass: no pull
 
 
 def unrolled(head: FeatureHead, ids, previous, valid, steps: int, window: int) -> list[torch.Tensor]:
     """The head's outputs at each unrolled step: step 1 over all positions (B, L, H), steps
     2.. over positions [window, L) (B, L - window, H), each as a live draft would compute it."""
     batch, width = ids.shape
-    positions = torch.arange(width)[None].expand(batch, -1)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    device = ids.device
+    positions = torch.arange(width, device=device)[None].expand(batch, -1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     mask = (causal[None] & valid[:, None, :])[:, None]
     first, keys, values = head(ids, previous, positions, mask=mask)
     outputs, all_keys, all_values = [first], [keys], [values]
-    rows = torch.arange(window, width)
+    rows = torch.arange(window, width, device=device)
     for k in range(2, steps + 1):
         before = outputs[-1] if k > 2 else first[:, window:]
         fed = torch.zeros_like(before)
@@ -154,7 +173,7 @@ def unrolled(head: FeatureHead, ids, previous, valid, steps: int, window: int) -
         if k == 2 and window > 0:
             fed[:, 0] = first[:, window - 1]
         # Step-1 entries up to i-k+1, then this and earlier steps' entries on the diagonal.
-        parts = [(torch.arange(width)[None] <= rows[:, None] - (k - 1))[None] & valid[:, None, :]]
+        parts = [(torch.arange(width, device=device)[None] <= rows[:, None] - (k - 1))[None] & valid[:, None, :]]
         for s in range(2, k + 1):
             diagonal = (rows[None, :] == rows[:, None] - (k - s)).expand(batch, -1, -1)
             parts.append(diagonal)
@@ -195,17 +214,18 @@ def evaluate(head: FeatureHead, samples: list[Sample], steps: int, batch: int = 
             q = step.float().softmax(-1)
             hit = head.vocab_ids[step.argmax(-1)] == truth
             hits.append(hit)
-            agree[k] += hit.float().sum()
-            overlap[k] += torch.minimum(q.gather(1, target_ids), target_probs).sum()
+            agree[k] += hit.float().sum().item()
+            overlap[k] += torch.minimum(q.gather(1, target_ids), target_probs).sum().item()
         count += len(rows)
+        hits = [h.tolist() for h in hits]
         # hit[k][(b, i)]: step k+1 at position i predicts t_{i+1}; a round from bonus position n
         # drafts at n, n+1, ... with steps 1, 2, ...
-        lookup = {(int(b), int(i)): j for j, (b, i) in enumerate(zip(rows, cols))}
+        lookup = {(b, i): j for j, (b, i) in enumerate(zip(rows.tolist(), cols.tolist()))}
         for b, sample in enumerate(chunk):
             n, end = sample.prompt_len, len(sample.tokens) - 1
             while n < end:
                 run = 0
-                while run < steps and (b, n + run) in lookup and bool(hits[run][lookup[(b, n + run)]]):
+                while run < steps and (b, n + run) in lookup and hits[run][lookup[(b, n + run)]]:
                     run += 1
                 accepted.append(run)
                 n += run + 1
@@ -242,19 +262,122 @@ def _read_text(engine, ids: list[int], chunk: int, layers: list[int], vocab_ids:
     return samples
 
 
+@torch.inference_mode()
+def _generate(model, prompts: list[list[int]], max_new: int, eos: list[int], sample: bool, batch: int, desc: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt, continuation up to and with its end token) for every prompt, `batch` at a time,
+    left-padded (generate() derives positions from the attention mask)."""
+    device = model.device
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=sample, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos[0])
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # little padding
+    results: list = [None] * len(prompts)
+    for start in tqdm(range(0, len(order), batch), desc=desc, unit="batch"):
+        chosen = order[start : start + batch]
+        width = max(len(prompts[i]) for i in chosen)
+        ids = torch.full((len(chosen), width), eos[0], dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(chosen):
+            ids[row, width - len(prompts[i]) :], mask[row, width - len(prompts[i]) :] = torch.tensor(prompts[i]), 1
+        new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)[:, width:].tolist()
+        for i, tokens in zip(chosen, new):
+            end = next((j + 1 for j, t in enumerate(tokens) if t in eos), len(tokens))
+            results[i] = (prompts[i], tokens[:end])
+    return results
+
+
+@torch.inference_mode()
+def _teacher_pass(model, sequences: list[tuple[list[int], list[int]]], layers: list[int], vocab_ids: torch.Tensor, top_k: int, batch_tokens: int = 32768) -> list[Sample]:
+    """Every (prompt, continuation) read back in one teacher-forced pass: right-padded, so no
+    real token ever sees a pad under the causal mask. Samples live on the CPU."""
+    samples = []
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
+    vocab_ids = vocab_ids.to(model.device)
+    start = 0
+    with tqdm(total=len(order), desc="verifier reads the samples", unit="sample") as bar:
+        while start < len(order):
+            width = len(sequences[order[start]][0]) + len(sequences[order[start]][1])
+            end = start + 1
+            while end < len(order) and (end - start + 1) * (len(sequences[order[end]][0]) + len(sequences[order[end]][1])) <= batch_tokens:
+                end += 1
+            chosen = [sequences[i] for i in order[start:end]]
+            width = max(len(p) + len(c) for p, c in chosen)
+            ids = torch.zeros(len(chosen), width, dtype=torch.long)
+            for row, (p, c) in enumerate(chosen):
+                ids[row, : len(p) + len(c)] = torch.tensor(p + c)
+            out = model(input_ids=ids.to(model.device), output_hidden_states=True)
+            depths = torch.stack([out.hidden_states[i] for i in layers], dim=2)
+            for row, (p, c) in enumerate(chosen):
+                n = len(p) + len(c)
+                probs = torch.softmax(out.logits[row, len(p) - 1 : n - 1].float(), -1)[:, vocab_ids]
+                top = torch.topk(probs, top_k)
+                samples.append(Sample(ids[row, :n].clone(), len(p), depths[row, : n - 1].half().cpu(), top.indices.short().cpu(), top.values.half().cpu()))
+            bar.update(end - start)
+            start = end
+    return samples
+
+
+def _self_instruct(model, tokenizer, count: int, eos: list[int], batch: int) -> list[list[int]]:
+    """`count` prompts the verifier writes itself (Magpie): its chat template up to the user's
+    words, then its own sample at T=1 until an end token (replaced by the template's own
+    closing and the assistant's turn); kept when the turn ends in time."""
+    marker = "\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False)
+    before, after = text.split(marker)
+    opening = tokenizer(before, add_special_tokens=False)["input_ids"]
+    closing = tokenizer(after, add_special_tokens=False)["input_ids"]
+    asked = _generate(model, [opening] * count, 96, eos, True, batch, "verifier writes prompts")
+    return [opening + words[:-1] + closing for _, words in asked if len(words) > 3 and words[-1] in eos]
+
+
+def _collect_batched(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: list[int], vocab_ids: torch.Tensor) -> dict:
+    tokenizer = load_tokenizer(cfg.verifier)
+    model, _ = verifier.get()
+    eos = eos_token_ids(model, tokenizer)
+    ids_of, train_rows, eval_rows = _training_rows(cfg, tokenizer)
+    torch.manual_seed(cfg.seed)
+    prompts = [ids_of[r["question_id"]] for r in train_rows]
+    prompts += _self_instruct(model, tokenizer, cfg.self_instruct_prompts, eos, cfg.generation_batch)
+    many = [p for p in prompts for _ in range(cfg.samples_per_prompt - 1)]
+    runs = _generate(model, prompts, cfg.sample_tokens, eos, False, cfg.generation_batch, "verifier greedy (train)")
+    runs += _generate(model, many, cfg.sample_tokens, eos, True, cfg.generation_batch, "verifier samples (train)")
+    train = _teacher_pass(model, [r for r in runs if len(r[1]) >= 2], layers, vocab_ids, cfg.target_top_k)
+    held_out = _generate(model, [ids_of[r["question_id"]] for r in eval_rows], cfg.eval_tokens, eos, False, cfg.generation_batch, "verifier greedy (held out)")
+    evaluation = _teacher_pass(model, [r for r in held_out if len(r[1]) >= 2], layers, vocab_ids, cfg.target_top_k)
+    return {
+        "train": train,
+        "eval": evaluation,
+        "train_question_ids": [r["question_id"] for r in train_rows],
+        "eval_question_ids": [r["question_id"] for r in eval_rows],
+        "self_instruct_prompts": len(prompts) - len(train_rows),
+    }
+
+
+def _text_chunks(sample: Sample, size: int) -> list[Sample]:
+    """A text read whole, as samples of `size` tokens (each trained on all but its last)."""
+    pieces = []
+    for start in range(0, len(sample.tokens) - 2, size):
+        end = min(start + size, len(sample.tokens))
+        pieces.append(Sample(sample.tokens[start:end], 1, sample.hidden[start : end - 1], sample.target_ids[start : end - 1], sample.target_probs[start : end - 1]))
+    return pieces
+
+
 class _ServedVerifier:
     """The verifier as it is served, loaded (and int8-calibrated) on first use only: a run whose
-    samples are all cached never loads it, one that makes both kinds of samples loads it once."""
+    samples are all cached never loads it, one that makes both kinds of samples loads it once.
+    On a GPU it is the float32 model there, with no engine (batched passes use its forward)."""
 
     def __init__(self, cfg: FeatureHeadConfig):
         self.cfg = cfg
         self._loaded = None
 
     def get(self):
-        """(model, engine)."""
+        """(model, engine or None)."""
         if self._loaded is None:
-            model = load_model(ModelSpec(self.cfg.verifier, dtype=self.cfg.verifier_dtype))
-            self._loaded = model, engine_for(model, self.cfg.verifier_dtype)
+            if self.cfg.device != "cpu":
+                model = load_model_weights_only(self.cfg.verifier, torch.float32).to(self.cfg.device).eval()
+                self._loaded = model, None
+            else:
+                model = load_model(ModelSpec(self.cfg.verifier, dtype=self.cfg.verifier_dtype))
+                self._loaded = model, engine_for(model, self.cfg.verifier_dtype)
         return self._loaded
 
 
@@ -267,8 +390,12 @@ def _training_rows(cfg: FeatureHeadConfig, tokenizer) -> tuple[dict, list[dict],
 
 def _collect_text(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: list[int], vocab_ids: torch.Tensor) -> list[Sample]:
     tokenizer = load_tokenizer(cfg.verifier)
-    _, engine = verifier.get()
+    model, engine = verifier.get()
     rows = training_split(load_prompts(cfg.prompts))
+    if engine is None:  # GPU: whole prompts in batched passes, then cut like _read_text cuts
+        texts = [(ids[:1], ids[1:]) for ids in (chat_ids(tokenizer, r["prompt"]) for r in rows) if len(ids) >= 3]
+        whole = _teacher_pass(model, texts, layers, vocab_ids, cfg.target_top_k)
+        return [piece for sample in whole for piece in _text_chunks(sample, cfg.text_chunk_tokens)]
     samples = []
     for r in tqdm(rows, desc="verifier reads the training prompts", unit="prompt"):
         samples += _read_text(engine, chat_ids(tokenizer, r["prompt"]), cfg.text_chunk_tokens, layers, vocab_ids, cfg.target_top_k)
@@ -278,6 +405,8 @@ def _collect_text(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: lis
 def _collect(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: list[int], vocab_ids: torch.Tensor, partial_path: Path, settings: dict) -> dict:
     """Generation takes hours for large recipes: its progress is saved every 10 prompts to
     `partial_path` and picked up again after a kill."""
+    if cfg.device != "cpu":
+        return _collect_batched(cfg, verifier, layers, vocab_ids)
     tokenizer = load_tokenizer(cfg.verifier)
     model, engine = verifier.get()
     eos = set(eos_token_ids(model, tokenizer))
@@ -318,7 +447,7 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
         raise ConfigError(f"draft_vocab_from: {cfg.draft_vocab_from} has no draft_vocab.json")
     vocab_ids = json.loads(vocab_file.read_text())
 
-    data_settings = {k: getattr(cfg, k) for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "max_prompt_tokens", "sample_tokens", "samples_per_prompt", "target_top_k", "eval_prompts", "eval_tokens", "seed")}
+    data_settings = {k: getattr(cfg, k) for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "max_prompt_tokens", "sample_tokens", "samples_per_prompt", "target_top_k", "eval_prompts", "eval_tokens", "seed", "device", "self_instruct_prompts")}
     data_settings["layers"] = layers
     verifier = _ServedVerifier(cfg)
     vocab_tensor = torch.tensor(vocab_ids)
@@ -327,7 +456,7 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
     )
     train = data["train"]
     if cfg.prompt_text:
-        text_settings = {k: data_settings[k] for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "target_top_k", "layers")}
+        text_settings = {k: data_settings[k] for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "target_top_k", "layers", "device")}
         text_settings["text_chunk_tokens"] = cfg.text_chunk_tokens
         text = load_or_make(
             out / "prompt_text.pt", text_settings, lambda: {"samples": _collect_text(cfg, verifier, layers, vocab_tensor)}, weights_only=False
@@ -335,8 +464,9 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
         train = train + text["samples"]
     train = sorted(train, key=lambda s: len(s.tokens))  # neighbours batch with little padding
 
-    head = FeatureHead.from_verifier(base, layers, vocab_ids)
+    head = FeatureHead.from_verifier(base, layers, vocab_ids).to(cfg.device)
     del base
+    torch.backends.cuda.matmul.allow_tf32 = True  # the head's training; the verifier's samples above ran in full float32
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / cfg.steps))
