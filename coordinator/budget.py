@@ -50,6 +50,7 @@ class RoundReport:
     verify_ms: float
     draft_wire_ms: float  # call time not spent computing, per link
     verify_wire_ms: float
+    opened: bool = False  # a call (re)opened a session: its times include reading the whole context
 
 
 class Ema:
@@ -166,15 +167,21 @@ class BudgetController:
             return choice
 
     def observe(self, report: RoundReport) -> None:
+        """A round that opened a session teaches acceptance only: reading a prompt costs a
+        request's first round many times a step, and counted as one it priced a plan out
+        (the verifier alone, always the first round of a feature head) for many rounds."""
         with self._lock:
             plan = report.plan
-            self.verify_wire_ms.add(report.verify_wire_ms)
+            if not report.opened:
+                self.verify_wire_ms.add(report.verify_wire_ms)
+                if plan.budget == 0:
+                    self.step_ms.add(report.verify_ms / max(report.verified_tokens, 1))
+                else:
+                    self.draft_wire_ms.add(report.draft_wire_ms)
+                    self.draft_ms[plan].add(report.draft_ms)
+                    self.verify_ms.add(report.verified_tokens, report.verify_ms)
             if plan.budget == 0:
-                self.step_ms.add(report.verify_ms / max(report.verified_tokens, 1))
                 return
-            self.draft_wire_ms.add(report.draft_wire_ms)
-            self.draft_ms[plan].add(report.draft_ms)
-            self.verify_ms.add(report.verified_tokens, report.verify_ms)
             if plan.profiled:
                 for d in range(1, report.depth + 1):
                     self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))

@@ -34,6 +34,7 @@ class ServiceCall:
     steering_bytes: int = 0  # steering vector bytes this call carried
     feature_bytes: int = 0  # verifier feature bytes this call carried
     forward_passes: int = 0  # drafter model forwards this call ran
+    opened: bool = False  # the call (re)opened the session: its compute includes reading the context
 
     @property
     def overhead_ms(self) -> float:
@@ -232,7 +233,7 @@ class PairSession:
         while True:
             try:
                 reply, cost = client.call(method, request, response_type, timeout=self._timeout())
-                return reply, ServiceCall(reply.compute_ms, cost)
+                return reply, ServiceCall(reply.compute_ms, cost, opened=reopen)
             except grpc.RpcError as err:
                 if err.code() in _REOPEN and not reopen:
                     request, reopen = build(True), True

@@ -175,8 +175,9 @@ def decode_rounds(
         if draft is None:  # the verifier alone: by plan, with nothing drafted, or without a drafter
             plan, ahead = Plan(0), None
             verdict, verify_call = session.verify(None, fused_tokens=fused)
-            report = RoundReport(plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms)
-            costs.observe(1, verify_call.compute_ms, verify_call.overhead_ms, generated=len(verdict.token_ids))
+            report = RoundReport(plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms, verify_call.opened)
+            if not report.opened:
+                costs.observe(1, verify_call.compute_ms, verify_call.overhead_ms, generated=len(verdict.token_ids))
         else:
             structure = DraftTree(list(draft.tree.token_ids), list(draft.tree.parent))  # parents only: no proposals needed here
             if overlap is None:
@@ -194,9 +195,10 @@ def decode_rounds(
             nodes = len(structure)
             report = RoundReport(
                 plan, verdict.num_accepted_draft_tokens, max(structure.depths(), default=0), 1 + nodes,
-                exposed_draft_ms, verify_call.compute_ms, exposed_wire_ms, verify_call.overhead_ms,
+                exposed_draft_ms, verify_call.compute_ms, exposed_wire_ms, verify_call.overhead_ms, verify_call.opened or draft_call.opened,
             )
-            costs.observe(1 + nodes, verify_call.compute_ms, verify_call.overhead_ms)
+            if not verify_call.opened:
+                costs.observe(1 + nodes, verify_call.compute_ms, verify_call.overhead_ms)
             meter.speculative_rounds += 1
             meter.accepted += verdict.num_accepted_draft_tokens
             meter.accepted_counts[verdict.num_accepted_draft_tokens] += 1

@@ -109,6 +109,27 @@ def test_verifier_alone_when_speculation_cannot_pay_and_back_when_the_link_impro
     assert preferred(settle(controller, World(0.95, 0), rounds=300)).budget > 0
 
 
+def test_rounds_that_read_a_prompt_teach_acceptance_but_not_cost():
+    """Each request's first round reads its prompt (a feature head's is always the verifier
+    alone): counted as a step, such a round priced the verifier alone out for many rounds."""
+    world = World(0.3, 50)  # speculation cannot pay here
+    assert max(PLANS, key=world.expected_tokens_per_s) == Plan(0)
+    controller = BudgetController(PLANS, FUSED_BLOCK)
+    for request in range(20):
+        first = world.round(Plan(0))
+        controller.observe(RoundReport(first.plan, 0, 0, 1, 0.0, 40 * world.verify_ms(1), 0.0, 0.0, opened=True))
+        for _ in range(20):
+            plan = controller.choose()
+            controller.observe(world.round(plan))
+    assert preferred(settle(controller, world, rounds=100)) == Plan(0)
+    assert controller.step_ms.value == pytest.approx(world.verify_ms(1))
+    report = world.round(Plan(4))
+    opened = RoundReport(report.plan, 4, 4, 5, 900.0, 900.0, 0.0, 0.0, opened=True)
+    before = controller.draft_ms[Plan(4)].value
+    controller.observe(opened)
+    assert controller.draft_ms[Plan(4)].value == before and controller.reach[4].value > 0
+
+
 def test_chains_share_one_acceptance_profile():
     controller = BudgetController(PLANS, FUSED_BLOCK)
     for _ in range(50):  # only chains of 8 measured, every draft accepted up to depth 3
