@@ -311,9 +311,13 @@ def test_pairs_that_cannot_steer_run_as_before_and_refuse_steering_requests(stee
 
 
 def test_steering_checkpoint_defaults_to_the_drafters_own_directory(steer_dirs, tmp_path):
-    from specdec.core.hub import BUILTIN_DRAFTER
+    from specdec.core.hub import BUILTIN_DRAFTER, BUILTIN_FEATURE_HEAD
 
-    assert config_from_dict({}).resolved_steering_checkpoint() == BUILTIN_DRAFTER  # the shipped drafter is steered
+    shipped = {"drafter": {"model": BUILTIN_DRAFTER}}
+    assert config_from_dict(shipped).resolved_steering_checkpoint() == BUILTIN_DRAFTER  # the shipped SD² drafter is steered
+    default = config_from_dict({})  # the default drafter reads the verifier's features instead
+    assert default.drafter.model.source == BUILTIN_FEATURE_HEAD and default.resolved_steering_checkpoint() is None
+    assert default.resolved_feature_checkpoint() == BUILTIN_FEATURE_HEAD
     steered = {"drafter": {"model": str(steer_dirs["steering"])}, "verifier": {"model": str(steer_dirs["verifier"])}}
     assert config_from_dict(steered).resolved_steering_checkpoint() == str(steer_dirs["steering"])
     assert config_from_dict({**steered, "steering_checkpoint": ""}).resolved_steering_checkpoint() is None

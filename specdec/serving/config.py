@@ -13,7 +13,7 @@ import yaml
 
 from specdec.core.engine import WEIGHT_FORMATS
 from specdec.core.feature_head import is_feature_head
-from specdec.core.hub import BUILTIN_DRAFTER, BUILTIN_SMOLLM2
+from specdec.core.hub import BUILTIN_FEATURE_HEAD, BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec
 from specdec.core.ngram import NgramSettings, is_model_free
 from specdec.core.steering import is_steering_checkpoint_for
@@ -132,9 +132,10 @@ class CoordinatorConfig:
 @dataclass
 class Config:
     # int8 by measurement on CPU (docs/engine.md): with the native kernels a verifier step is
-    # about 5x faster than float32 transformers, a drafter step about 6x.
+    # about 5x faster than float32 transformers, a drafter step about 6x. The drafter: the
+    # verifier-feature head, which keeps about twice the SD² drafter's tokens (docs/feature_head.md).
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(ModelSpec(BUILTIN_SMOLLM2, dtype="int8")))
-    drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(ModelSpec(BUILTIN_DRAFTER, dtype="int8")))
+    drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(ModelSpec(BUILTIN_FEATURE_HEAD, dtype="int8")))
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     # SD²: a checkpoint from `specdec distill --steering`; each service loads its own half.
     # null = the drafter's own directory when it is one made for this verifier; "" = none.
