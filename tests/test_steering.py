@@ -318,6 +318,8 @@ def test_steering_checkpoint_defaults_to_the_drafters_own_directory(steer_dirs, 
     default = config_from_dict({})  # the default drafter reads the verifier's features instead
     assert default.drafter.model.source == BUILTIN_FEATURE_HEAD and default.resolved_steering_checkpoint() is None
     assert default.resolved_feature_checkpoint() == BUILTIN_FEATURE_HEAD
+    # Naming another verifier keeps the default head's fuse out of it, as for steering.
+    assert config_from_dict({"verifier": {"model": str(steer_dirs["verifier"])}}).resolved_feature_checkpoint() is None
     steered = {"drafter": {"model": str(steer_dirs["steering"])}, "verifier": {"model": str(steer_dirs["verifier"])}}
     assert config_from_dict(steered).resolved_steering_checkpoint() == str(steer_dirs["steering"])
     assert config_from_dict({**steered, "steering_checkpoint": ""}).resolved_steering_checkpoint() is None

@@ -13,6 +13,7 @@ import yaml
 
 from specdec.core.engine import WEIGHT_FORMATS
 from specdec.core.feature_head import is_feature_head
+from specdec.core.feature_head import read_meta as read_feature_meta
 from specdec.core.hub import BUILTIN_FEATURE_HEAD, BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec
 from specdec.core.ngram import NgramSettings, is_model_free
@@ -148,9 +149,13 @@ class Config:
         return drafter if is_steering_checkpoint_for(drafter, self.verifier.model.source) else None
 
     def resolved_feature_checkpoint(self) -> str | None:
-        """A feature-head drafter reads features the verifier fuses with the same checkpoint."""
+        """A feature-head drafter reads features the verifier fuses with the same checkpoint,
+        when the head was trained on this verifier (a config that names only another verifier
+        keeps the default head out of it; the pair check then names the mismatch)."""
         drafter = self.drafter.model.source
-        return drafter if is_feature_head(drafter) else None
+        if not is_feature_head(drafter) or read_feature_meta(drafter)["base_model"] != self.verifier.model.source:
+            return None
+        return drafter
 
     def checkpoints(self, service: str) -> dict[str, str | None]:
         """What a service loads besides its model: `start(section, **config.checkpoints(name))`."""
