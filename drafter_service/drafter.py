@@ -91,6 +91,7 @@ class Draft:
 
 class DrafterEngine:
     session_type = DrafterSession
+    draft_vocab: torch.Tensor | None = None  # the token ids a reduced-vocabulary head can propose; None = all
     def __init__(
         self,
         spec: ModelSpec,
@@ -133,6 +134,7 @@ class DrafterEngine:
         if steering_checkpoint:
             self.steering, self.steering_fingerprint = load_drafter_steering(steering_checkpoint, self.model)
         self.steering_size = self.steering.norm.normalized_shape[0] if self.steering else 0
+        self.draft_vocab = getattr(self.model.get_output_embeddings(), "vocab_ids", None)
         self.engine = engine_for(self.model, spec.dtype)
         if self.steering and isinstance(self.engine, LlamaEngine):
             self.engine.up_delta = self.steering.delta  # transformers' modules get theirs through hooks
@@ -386,17 +388,27 @@ class DrafterEngine:
         return tree
 
     def _next_token(self, logits: torch.Tensor, sampling: Sampling) -> NextToken:
+        """The distribution after a node. A drafter with a reduced vocabulary (`draft_vocab`;
+        -inf logits elsewhere) normalises over that vocabulary alone: the same distribution, a
+        sixth of the work per draft step."""
+        support = self.draft_vocab
         if sampling.greedy:
-            return NextToken(torch.softmax(logits.double(), dim=-1))
+            if support is None:
+                return NextToken(torch.softmax(logits.double(), dim=-1))
+            probs = torch.zeros(self.vocab_size, dtype=torch.float64)
+            probs[support] = torch.softmax(logits[support].double(), dim=-1)
+            return NextToken(probs, support=support)
         proposal, probs = self._proposal(logits, sampling)
         return NextToken(probs, proposal)
 
     def _proposal(self, logits: torch.Tensor, sampling: Sampling) -> tuple[Proposal, torch.Tensor]:
         """The sparse distribution the next token is drawn from, and that same distribution
         dense, exactly as the verifier will rebuild it from the float32 wire values."""
-        probs = warp_probs(logits, sampling)
+        support = self.draft_vocab
+        probs = warp_probs(logits if support is None else logits[support], sampling)
         top = torch.topk(probs, min(self.proposal_top_k, probs.shape[-1]))
         keep = top.values > 0
         values = top.values[keep]
-        proposal = Proposal(top.indices[keep].tolist(), (values / values.sum()).float().tolist())
-        return proposal, proposal.dense(probs.shape[-1])
+        tokens = top.indices[keep] if support is None else support[top.indices[keep]]
+        proposal = Proposal(tokens.tolist(), (values / values.sum()).float().tolist())
+        return proposal, proposal.dense(self.vocab_size)

@@ -47,6 +47,7 @@ class FeatureDrafter(DrafterEngine):
         elif spec.dtype != "float32":
             raise ValueError(f"a feature head runs float32 or int8 weights, not {spec.dtype}")
         self.model = self.head  # its config describes the drafter (ModelInfo)
+        self.draft_vocab = self.head.vocab_ids
         self.eos_ids = eos_token_ids(base, self.tokenizer)
         self.max_context = max_context(base)
         self.steering_size = 0

@@ -383,3 +383,33 @@ def test_architectures_that_ignore_tree_masks_are_refused():
     torch.manual_seed(0)
     with pytest.raises(UnsupportedModel, match="'gemma2' does not honour a custom 4-D attention mask"):
         check_tree_attention(TransformersEngine(Gemma2ForCausalLM(config).eval()), config)
+
+
+@pytest.mark.parametrize("sampling", [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 5)])
+def test_a_reduced_vocabulary_gives_the_distribution_the_full_one_gives(sampling):
+    """A drafter whose head covers a draft vocabulary (-inf logits elsewhere) normalises over
+    that vocabulary alone: the same probabilities and the same top tokens as over the full
+    vocabulary, and for sampling the same sparse proposal."""
+    import functools
+    import types
+
+    from drafter_service.drafter import DrafterEngine
+    from drafter_service.tree_builders import top_tokens
+    from specdec.core.sampling import Sampling
+
+    vocab_size, support = 500, torch.tensor(sorted(torch.randperm(500, generator=torch.Generator().manual_seed(3))[:60].tolist()))
+    logits = torch.full((vocab_size,), float("-inf"))
+    logits[support] = torch.randn(len(support), generator=torch.Generator().manual_seed(4)) * 3
+    settings_ = Sampling(*sampling)
+    dists = []
+    for draft_vocab in (None, support):
+        drafter = types.SimpleNamespace(draft_vocab=draft_vocab, vocab_size=vocab_size, proposal_top_k=16)
+        drafter._proposal = functools.partial(DrafterEngine._proposal, drafter)
+        dists.append(DrafterEngine._next_token(drafter, logits, settings_))
+    full, reduced = dists
+    assert reduced.support is not None or not settings_.greedy
+    torch.testing.assert_close(reduced.probs, full.probs, rtol=1e-12, atol=1e-15)
+    assert top_tokens(reduced, 8) == top_tokens(full, 8)
+    if not settings_.greedy:
+        assert reduced.proposal.token_ids == full.proposal.token_ids
+        assert reduced.proposal.probs == pytest.approx(full.proposal.probs, rel=1e-6)
