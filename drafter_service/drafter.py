@@ -389,8 +389,8 @@ class DrafterEngine:
 
     def _next_token(self, logits: torch.Tensor, sampling: Sampling) -> NextToken:
         """The distribution after a node. A drafter with a reduced vocabulary (`draft_vocab`;
-        -inf logits elsewhere) normalises over that vocabulary alone: the same distribution, a
-        sixth of the work per draft step."""
+        -inf logits elsewhere) normalises over that vocabulary alone (8,192 entries instead of
+        49,152 for the built-in drafters): the same distribution."""
         support = self.draft_vocab
         if sampling.greedy:
             if support is None:

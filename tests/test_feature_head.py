@@ -286,12 +286,12 @@ def test_batched_samples_equal_the_one_at_a_time_path(tiny_dirs, tiny_verifier, 
     runs = _generate(tiny_verifier, prompts, 10, eos, False, 3, "greedy")
     vocab = torch.tensor(VOCAB)
     batched = _teacher_pass(tiny_verifier, runs, LAYERS, vocab, 4, batch_tokens=20)
-    by_prompt = {len(s.tokens) - len(c): s for s, (_, c) in zip(sorted(batched, key=lambda s: s.prompt_len), sorted(runs, key=lambda r: len(r[0])))}
+    by_text = {tuple(s.tokens.tolist()): s for s in batched}
     engine = TransformersEngine(tiny_verifier)
     for prompt, continuation in runs:
         assert continuation == hf_greedy(tiny_verifier, prompt, 10)[: len(continuation)]
         one = _continue(engine, prompt, 10, LAYERS, vocab, 4, set(eos), None)
-        mine = by_prompt[len(prompt)]
+        mine = by_text[tuple(prompt + continuation)]
         assert mine.tokens.tolist() == one.tokens.tolist() and mine.prompt_len == one.prompt_len
         torch.testing.assert_close(mine.hidden.float(), one.hidden.float(), atol=2e-3, rtol=1e-3)
         torch.testing.assert_close(mine.target_probs.float(), one.target_probs.float(), atol=2e-3, rtol=1e-3)

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 log = logging.getLogger(__name__)
 
 BUILTIN_SMOLLM2 = "smollm2-135m-instruct"
-# The default drafter: distilled toward SmolLM2-135M-Instruct by `specdec distill` with
-# specdec/data/recipes/default_drafter.yaml, shipped inside the package.
+# The SD² drafter (the default before the feature head): distilled toward SmolLM2-135M-Instruct
+# by `specdec distill` with specdec/data/recipes/default_drafter.yaml, shipped inside the package.
 BUILTIN_DRAFTER = "smollm2-135m-drafter"
-# The verifier-feature head (EAGLE-3 style): `specdec distill-feature-head` with
-# specdec/data/recipes/feature_head_gpu.yaml.
+# The default drafter, the verifier-feature head (EAGLE-3 style): `specdec distill-feature-head`
+# with specdec/data/recipes/feature_head_gpu.yaml.
 BUILTIN_FEATURE_HEAD = "smollm2-135m-feature-head"
 _PACKAGED_DRAFTERS = Path(__file__).parent.parent / "data" / "drafters"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -289,17 +289,17 @@ def _teacher_pass(model, sequences: list[tuple[list[int], list[int]]], layers: l
     """Every (prompt, continuation) read back in one teacher-forced pass: right-padded, so no
     real token ever sees a pad under the causal mask. Samples live on the CPU."""
     samples = []
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
+    length = [len(p) + len(c) for p, c in sequences]
+    order = sorted(range(len(sequences)), key=length.__getitem__)  # a batch is as wide as its last
     vocab_ids = vocab_ids.to(model.device)
     start = 0
     with tqdm(total=len(order), desc="verifier reads the samples", unit="sample") as bar:
         while start < len(order):
-            width = len(sequences[order[start]][0]) + len(sequences[order[start]][1])
             end = start + 1
-            while end < len(order) and (end - start + 1) * (len(sequences[order[end]][0]) + len(sequences[order[end]][1])) <= batch_tokens:
+            while end < len(order) and (end - start + 1) * length[order[end]] <= batch_tokens:
                 end += 1
             chosen = [sequences[i] for i in order[start:end]]
-            width = max(len(p) + len(c) for p, c in chosen)
+            width = length[order[end - 1]]
             ids = torch.zeros(len(chosen), width, dtype=torch.long)
             for row, (p, c) in enumerate(chosen):
                 ids[row, : len(p) + len(c)] = torch.tensor(p + c)
@@ -522,6 +522,7 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
         "eval_question_ids": data["eval_question_ids"],
         "train_samples": len(train),
         "train_positions": sum(len(s.tokens) - s.prompt_len for s in train),
+        "self_instruct_prompts_kept": data.get("self_instruct_prompts", 0),
         "before": before,
         "after": after,
         "history": history,
