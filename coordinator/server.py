@@ -64,6 +64,18 @@ class Coordinator:
         }
         self.verify_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="verify")
         self.largest_budget = max(p.budget for p in plans)
+        self.slots = threading.BoundedSemaphore(config.max_concurrent_requests)
+
+    @contextmanager
+    def slot(self):
+        """One of max_concurrent_requests; past them RESOURCE_EXHAUSTED at once, not a queue."""
+        if not self.slots.acquire(blocking=False):
+            limit = self.config.max_concurrent_requests
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is serving its limit of {limit} requests; retry later")
+        try:
+            yield
+        finally:
+            self.slots.release()
 
     def prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
         if request.prompt and request.prompt_token_ids:
@@ -172,25 +184,16 @@ class Coordinator:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """The client API over one Coordinator; its own gRPC server and the calls that come
+    through Ray Serve's proxies (coordinator/openai_api.py) share the coordinator's slots."""
+
     def __init__(self, coordinator: Coordinator):
         self.coordinator = coordinator
-        self.limit = coordinator.config.max_concurrent_requests
-        self.slots = threading.BoundedSemaphore(self.limit)
-
-    @contextmanager
-    def _slot(self):
-        """One of max_concurrent_requests; past them RESOURCE_EXHAUSTED at once, not a queue."""
-        if not self.slots.acquire(blocking=False):
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is serving its limit of {self.limit} requests; retry later")
-        try:
-            yield
-        finally:
-            self.slots.release()
 
     @reports_errors
     def Generate(self, request, context):
         text, tokens, last = [], [], None
-        with self._slot():
+        with self.coordinator.slot():
             for last in self.coordinator.generate(request, *_bounds(context)):
                 text.append(last.text)
                 tokens.extend(last.token_ids)
@@ -200,7 +203,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @reports_errors
     def GenerateStream(self, request, context):
-        with self._slot():
+        with self.coordinator.slot():
             yield from self.coordinator.generate(request, *_bounds(context))
 
 

@@ -43,11 +43,12 @@ def cmd_serve(args) -> int:
 
     print("starting Ray Serve: drafter, verifier and coordinator (first start converts the default model once)...", flush=True)
     try:
-        address = start_stack(_app_args(args), args.port, ray_address=args.ray_address)
+        address = start_stack(_app_args(args), args.port, args.ray_address, http_port=args.http_port, grpc_proxy_port=args.grpc_proxy_port)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    print(f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING)", flush=True)
+    print(f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING); through Serve's gRPC proxy on :{args.grpc_proxy_port}", flush=True)
+    print(f"OpenAI-compatible API on http://localhost:{args.http_port}/v1", flush=True)
     if args.demo:
         from specdec.serving.app import build_config
         from specdec.serving.client import server_token
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="start Ray locally (or join --ray-address) and deploy the app")
     serve.add_argument("--config", help="YAML config (models, placement, ports, speculation)")
     serve.add_argument("--port", type=int, default=50051, help="client gRPC port (default 50051)")
+    serve.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API, Serve's HTTP proxy (default 8000)")
+    serve.add_argument("--grpc-proxy-port", type=int, default=9000, help="the Coordinator API through Serve's gRPC proxy (default 9000)")
     serve.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     serve.add_argument("--demo", nargs="?", const=DEFAULT_PROMPT, help="once serving, stream one answer to this prompt")
     serve.add_argument("--num-draft-tokens", type=int, help="default draft tree nodes per round (0 = verifier only)")

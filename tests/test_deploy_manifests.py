@@ -22,6 +22,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from specdec.serving.app import build_app, build_config
 from specdec.serving.config import Config
+from specdec.serving.launch import COORDINATOR_SERVICER
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_YAML = REPO / "deploy" / "serve.yaml"
@@ -284,9 +285,22 @@ def test_app_args_are_a_valid_project_config(source):
     assert isinstance(build_app(args), Application)
 
 
+@pytest.mark.parametrize("source", sorted(_serve_configs()))
+def test_serves_grpc_proxy_knows_the_coordinator_api(source):
+    """Serve's gRPC proxy imports the servicer function by name: it must exist."""
+    import importlib
+
+    [function] = _serve_configs()[source]["grpc_options"]["grpc_servicer_functions"]
+    assert function == COORDINATOR_SERVICER
+    module, name = function.rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), name))
+    assert _app(_serve_configs()[source])["route_prefix"] == "/"  # the OpenAI API's routes start at /v1
+
+
 def test_local_serve_yaml_fits_one_machine():
     data = _serve_configs()["deploy/serve.yaml"]
-    assert data["proxy_location"] == "Disabled"
+    assert data["proxy_location"] == "HeadOnly" and data["http_options"]["port"] == 8000
+    assert data["grpc_options"]["grpc_servicer_functions"] == [COORDINATOR_SERVICER]
     config = build_config(_app(data)["args"])
     for name in ("verifier", "drafter", "coordinator"):
         options = getattr(config, name).ray_actor_options
@@ -476,7 +490,8 @@ def test_network_policy_keeps_every_port_but_the_client_api_inside_the_rayservic
     workers = [{**group["template"].get("metadata", {}).get("labels", {}), "ray.io/node-type": "worker"} for group in cluster["workerGroupSpecs"]]
     outsider = {"app": "something-else"}
     for pod in [head, *workers]:
-        for port in (6379, 8265, 10001, 8000, 43121):  # GCS, dashboard, client, Serve, a replica's gRPC port
+        for port in (6379, 8265, 10001, 8080, 43121):  # GCS, dashboard, client, metrics, a replica's gRPC port
             assert not _admitted(policy, pod, None, port) and not _admitted(policy, pod, outsider, port), (pod, port)
             assert all(_admitted(policy, pod, peer, port) for peer in [head, *workers]), (pod, port)
-    assert _admitted(policy, head, None, CLIENT_PORT) and _admitted(policy, head, outsider, CLIENT_PORT)
+    for port in (CLIENT_PORT, 8000, 9000):  # the client APIs: coordinator gRPC, OpenAI HTTP, Serve's gRPC proxy
+        assert _admitted(policy, head, None, port) and _admitted(policy, head, outsider, port)

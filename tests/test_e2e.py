@@ -25,11 +25,17 @@ UNSEEN_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def ray_stack():
+def serve_ports() -> dict[str, int]:
+    """Where Serve's proxies listen in this module: the OpenAI HTTP API and the gRPC proxy."""
+    return {"http": free_port(), "grpc": free_port()}
+
+
+@pytest.fixture(scope="module")
+def ray_stack(serve_ports):
     from specdec.serving.launch import start_stack, stop_stack
 
     port = free_port()
-    address = start_stack({"coordinator": {"port": port}}, port)
+    address = start_stack({"coordinator": {"port": port}}, port, http_port=serve_ports["http"], grpc_proxy_port=serve_ports["grpc"])
     yield address
     stop_stack()
 
@@ -115,3 +121,43 @@ def test_request_metrics_reach_prometheus(ray_stack):
     names = ("ray_specdec_requests", "ray_specdec_generated_tokens", "ray_specdec_round_time_ms", "ray_specdec_bytes")
     for name in names + ("ray_spec_decode_num_drafts", "ray_spec_decode_num_draft_tokens"):  # vLLM's names too
         assert name in text, name
+
+
+@pytest.mark.e2e
+def test_openai_client_through_serves_http_proxy_gets_the_grpc_text(ray_stack, serve_ports):
+    import openai
+
+    api = openai.OpenAI(base_url=f"http://localhost:{serve_ports['http']}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = api.models.list().data[0].id
+    prompt = UNSEEN_PROMPTS[0]
+    with grpc.insecure_channel(ray_stack) as channel:
+        expected = coordinator_pb2_grpc.CoordinatorStub(channel).Generate(
+            coordinator_pb2.GenerateRequest(prompt=prompt, use_chat_template=True, max_new_tokens=40), timeout=600
+        )
+    messages = [{"role": "user", "content": prompt}]
+    reply = api.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+    assert reply.choices[0].message.content == expected.text
+    chunks = list(api.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True}
+    ))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert chunks[-1].model_extra["speculation"]["features"]  # the feature head drafted
+
+
+@pytest.mark.e2e
+def test_serves_grpc_proxy_routes_the_coordinator_api(ray_stack, serve_ports):
+    """Clients may come in through Serve's own gRPC proxy (metadata `application` names the app)."""
+    from specdec.serving.launch import APP_NAME
+
+    request = coordinator_pb2.GenerateRequest(prompt="Name a colour.", use_chat_template=True, max_new_tokens=24)
+    with grpc.insecure_channel(ray_stack) as direct, grpc.insecure_channel(f"localhost:{serve_ports['grpc']}") as proxied:
+        expected = coordinator_pb2_grpc.CoordinatorStub(direct).Generate(request, timeout=600)
+        stub = coordinator_pb2_grpc.CoordinatorStub(proxied)
+        metadata = (("application", APP_NAME),)
+        assert stub.Generate(request, timeout=600, metadata=metadata).text == expected.text
+        parts = list(stub.GenerateStream(request, timeout=600, metadata=metadata))
+        assert "".join(p.text for p in parts) == expected.text and parts[-1].finish_reason == expected.finish_reason
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Generate(coordinator_pb2.GenerateRequest(prompt="Hi", temperature=-1), timeout=60, metadata=metadata)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in refused.value.details()

@@ -18,9 +18,11 @@ def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | No
     return [{"question_id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in rows]
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """The token ids of `prompt` as one user turn of the tokenizer's chat template."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False))
+def chat_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """The token ids of `prompt` as one user turn of the tokenizer's chat template (or of a
+    list of {role, content} turns), ready for the assistant's answer."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_dict=False))
 
 
 def is_held_out(row: dict) -> bool:

@@ -9,11 +9,18 @@ from specdec.serving.rpc import wait_until_serving
 log = logging.getLogger(__name__)
 
 APP_NAME = "specdec"
+HTTP_PORT = 8000  # Serve's HTTP proxy: the OpenAI-compatible API
+GRPC_PROXY_PORT = 9000  # Serve's gRPC proxy: the Coordinator API again, routed by Serve
+COORDINATOR_SERVICER = "specdec.v1.coordinator_pb2_grpc.add_CoordinatorServicer_to_server"
 
 
-def start_stack(app_args: dict, port: int, ray_address: str | None = None, timeout_s: float = 900.0) -> str:
+def start_stack(
+    app_args: dict, port: int, ray_address: str | None = None, timeout_s: float = 900.0,
+    http_port: int = HTTP_PORT, grpc_proxy_port: int = GRPC_PROXY_PORT,
+) -> str:
     """Deploys drafter, verifier and coordinator with Ray Serve and waits until the client API
-    reports SERVING; returns its address."""
+    reports SERVING; returns its address. Serve's proxies listen on http_port (the OpenAI API)
+    and grpc_proxy_port (the Coordinator API through Serve)."""
     import ray
     from ray import serve
 
@@ -22,7 +29,11 @@ def start_stack(app_args: dict, port: int, ray_address: str | None = None, timeo
             ray.init(address=ray_address)
         else:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-    serve.start(proxy_location="Disabled")
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options={"host": "0.0.0.0", "port": http_port},
+        grpc_options={"port": grpc_proxy_port, "grpc_servicer_functions": [COORDINATOR_SERVICER], "enable_reflection": True},
+    )
     return deploy(app_args, port, timeout_s)
 
 
@@ -30,12 +41,14 @@ def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_
     """(Re)deploys the application `name` on the running Serve instance; returns its client
     address once it reports SERVING. A redeploy with other settings must use another port: the
     old coordinator may still hold its own while the new one starts. Applications of other
-    names run side by side (the benchmark compares drafters that way)."""
+    names run side by side (the benchmark compares drafters that way); their HTTP routes start
+    with /<name>."""
     from ray import serve
 
     from specdec.serving.app import build_app
 
-    serve.run(build_app(app_args), name=name, route_prefix=None, blocking=False)
+    route = "/" if name == APP_NAME else f"/{name}"
+    serve.run(build_app(app_args), name=name, route_prefix=route, blocking=False)
     address = f"localhost:{port}"
     wait_until_serving(address, timeout_s)
     return address

@@ -116,6 +116,12 @@ def start_server(
     return server, bound, health_servicer
 
 
+def bearer_accepted(header: str, tokens: set[str]) -> bool:
+    """Whether an `authorization` value is `Bearer <t>` with t among `tokens` (compared in constant time)."""
+    given = header.removeprefix("Bearer ").encode() if header.startswith("Bearer ") else b""
+    return any(hmac.compare_digest(given, token.encode()) for token in tokens)
+
+
 class BearerTokenAuth(grpc.ServerInterceptor):
     """Calls to `service` need the metadata `authorization: Bearer <token>` with an accepted
     token, else UNAUTHENTICATED; health checks and reflection stay open (probes, grpcurl)."""
@@ -124,7 +130,7 @@ class BearerTokenAuth(grpc.ServerInterceptor):
         if not tokens:
             raise ValueError("BearerTokenAuth needs at least one token")
         self.prefix = f"/{service}/"
-        self.tokens = [token.encode() for token in tokens]
+        self.tokens = tokens
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token: send the metadata 'authorization: Bearer <token>'")
@@ -134,9 +140,7 @@ class BearerTokenAuth(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         if not handler_call_details.method.startswith(self.prefix):
             return continuation(handler_call_details)
-        header = dict(handler_call_details.invocation_metadata).get("authorization", "")
-        given = header.removeprefix("Bearer ").encode() if header.startswith("Bearer ") else b""
-        if any(hmac.compare_digest(given, token) for token in self.tokens):
+        if bearer_accepted(dict(handler_call_details.invocation_metadata).get("authorization", ""), self.tokens):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         return None if handler is None else self.deny[handler.response_streaming]

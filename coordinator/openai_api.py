@@ -1,0 +1,315 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming too),
+/v1/models and /health, served as the coordinator's Ray Serve ingress.
+
+Each request becomes one GenerateRequest run through the same CoordinatorServicer as the gRPC
+API (same validation, concurrency limit and decoding), so the text is the gRPC API's. The
+speculation settings ride in the extension field `speculation` (GenerateRequest's names:
+num_draft_tokens, tree, adaptive, overlap, steering); `top_k` is accepted as vLLM does."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from google.protobuf.json_format import ParseDict, ParseError
+from starlette.concurrency import run_in_threadpool
+
+from specdec.core.prompts import chat_ids
+from specdec.serving.rpc import ServiceError, bearer_accepted
+from specdec.v1 import coordinator_pb2
+
+SPECULATION_FIELDS = ("num_draft_tokens", "tree", "adaptive", "overlap", "steering")
+CHAT_ROLES = ("system", "user", "assistant")
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer: HTTP status, message and type."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    @classmethod
+    def from_service(cls, err: ServiceError) -> ApiError:
+        status = HTTP_STATUS.get(err.code, 500)
+        kind = "invalid_request_error" if status < 500 and status != 429 else "server_error" if status >= 500 else "rate_limit_error"
+        return cls(status, err.message, kind)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+class ForwardedCall:
+    """A call that reached the coordinator through Ray Serve (its HTTP or gRPC proxy) instead
+    of the coordinator's own gRPC server: what CoordinatorServicer asks of a gRPC context.
+    `abort` raises ServiceError (and records the status on Serve's gRPC context, if any)."""
+
+    def __init__(self, metadata: list[tuple[str, str]], serve_context=None):
+        self.metadata = metadata
+        self.serve_context = serve_context
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.metadata
+
+    def time_remaining(self) -> None:
+        return None  # the proxies keep their own request timeouts
+
+    def is_active(self) -> bool:
+        return True  # a streamed answer's generator is closed when its client goes away
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        if self.serve_context is not None:
+            self.serve_context.set_code(code)
+            self.serve_context.set_details(details)
+        raise ServiceError(code, details)
+
+    def authorize(self, tokens: set[str]) -> None:
+        if tokens and not bearer_accepted(dict(self.metadata).get("authorization", ""), tokens):
+            self.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token: send 'authorization: Bearer <token>'")
+
+
+@dataclass
+class Completion:
+    """One parsed request: what to run and how to answer."""
+
+    request: coordinator_pb2.GenerateRequest
+    prompt_tokens: int
+    chat: bool
+    stream: bool
+    include_usage: bool
+
+
+class OpenAIFrontend:
+    def __init__(self, servicer, model_name: str, tokens: set[str]):
+        """servicer: the coordinator's CoordinatorServicer; tokens: accepted bearer tokens (none = open)."""
+        self.servicer = servicer
+        self.coordinator = servicer.coordinator
+        self.model_name = model_name
+        self.tokens = tokens
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec"}]}
+
+    def parse(self, body, chat: bool) -> Completion:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model not in (None, self.model_name):
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", param="model")
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "n: only one choice per request is served", param="n")
+        if chat:
+            ids = self._chat_prompt(body.get("messages"))
+        else:
+            ids = self._text_prompt(body.get("prompt"))
+        request = coordinator_pb2.GenerateRequest(prompt_token_ids=ids)
+        limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else body.get("max_tokens")
+        _set(request, "max_new_tokens", limit, int, "max_tokens")
+        _set(request, "temperature", body.get("temperature", 1.0), float, "temperature")  # OpenAI's default
+        _set(request, "top_p", body.get("top_p"), float, "top_p")
+        _set(request, "top_k", body.get("top_k"), int, "top_k")
+        _set(request, "seed", body.get("seed"), int, "seed")
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+        request.stop.extend(stop or [])
+        speculation = body.get("speculation") or {}
+        unknown = sorted(set(speculation) - set(SPECULATION_FIELDS)) if isinstance(speculation, dict) else ["(not an object)"]
+        if unknown:
+            raise ApiError(400, f"speculation: unknown field {unknown[0]}; allowed: {', '.join(SPECULATION_FIELDS)}", param="speculation")
+        try:
+            ParseDict(speculation, request)
+        except ParseError as err:
+            raise ApiError(400, f"speculation: {err}", param="speculation") from None
+        stream = body.get("stream", False)
+        options = body.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(options, dict):
+            raise ApiError(400, "stream must be a boolean and stream_options an object", param="stream")
+        return Completion(request, len(ids), chat, stream, bool(options.get("include_usage")))
+
+    def _text_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return self.coordinator.prompt_ids(coordinator_pb2.GenerateRequest(prompt_token_ids=prompt))
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids", param="prompt")
+        return self.coordinator.prompt_ids(coordinator_pb2.GenerateRequest(prompt=prompt))
+
+    def _chat_prompt(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        turns = []
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in CHAT_ROLES:
+                raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", param="messages")
+            turns.append({"role": role, "content": _text_of(message.get("content"), i)})
+        tokenizer = self.coordinator.tokenizer
+        if not tokenizer.chat_template:
+            raise ApiError(400, "the model's tokenizer has no chat template: use /v1/completions", param="messages")
+        chars = sum(len(t["content"]) for t in turns)
+        if chars > self.coordinator.max_prompt_chars:
+            raise ApiError(400, f"the messages have {chars} characters, more than the model's context of {self.coordinator.max_context} tokens can hold")
+        return self.coordinator.prompt_ids(coordinator_pb2.GenerateRequest(prompt_token_ids=chat_ids(tokenizer, turns)))
+
+    def respond(self, completion: Completion, call: ForwardedCall):
+        """The JSON answer, or (streaming) an iterator of SSE events; errors before the first
+        token raise ApiError, later ones end the stream with an error event."""
+        names = ("chatcmpl" if completion.chat else "cmpl") + "-" + uuid.uuid4().hex, int(time.time())
+        if not completion.stream:
+            reply = self.servicer.Generate(completion.request, call)
+            return self._body(completion, names, reply.text, reply.finish_reason, reply.stats)
+        parts = self.servicer.GenerateStream(completion.request, call)
+        first = next(parts)  # validation errors surface here, as an HTTP status
+        return self._events(completion, names, first, parts)
+
+    def _events(self, completion: Completion, names, first, parts) -> Iterator[str]:
+        if completion.chat:
+            yield _event(self._chunk(completion, names, {"role": "assistant", "content": ""}, None))
+        generated, last = 0, None
+        try:
+            for last in _chain(first, parts):
+                generated += len(last.token_ids)
+                if last.text or last.finish_reason:
+                    delta = {"content": last.text} if completion.chat else last.text
+                    yield _event(self._chunk(completion, names, delta, last.finish_reason or None))
+        except ServiceError as err:
+            yield _event(ApiError.from_service(err).body())
+        if completion.include_usage and last is not None and last.finish_reason:
+            chunk = self._chunk(completion, names, None, None) | {"choices": [], "usage": _usage(completion, generated)}
+            yield _event(chunk | {"speculation": _speculation(last.stats)})
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, completion: Completion, names, delta, finish_reason) -> dict:
+        kind = "chat.completion.chunk" if completion.chat else "text_completion"
+        choice = {"index": 0, "finish_reason": finish_reason}
+        choice |= {"delta": delta or {}} if completion.chat else {"text": delta or "", "logprobs": None}
+        chunk = {"id": names[0], "object": kind, "created": names[1], "model": self.model_name, "choices": [choice]}
+        return chunk | ({"usage": None} if completion.include_usage else {})
+
+    def _body(self, completion: Completion, names, text: str, finish_reason: str, stats) -> dict:
+        choice = {"index": 0, "finish_reason": finish_reason}
+        if completion.chat:
+            choice |= {"message": {"role": "assistant", "content": text}}
+        else:
+            choice |= {"text": text, "logprobs": None}
+        return {
+            "id": names[0],
+            "object": "chat.completion" if completion.chat else "text_completion",
+            "created": names[1],
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(completion, stats.generated_tokens),
+            "speculation": _speculation(stats),
+        }
+
+
+def openai_app(frontend: OpenAIFrontend) -> FastAPI:
+    app = FastAPI(title="specdec", description="OpenAI-compatible API over distributed speculative decoding")
+
+    def answer(headers, body, chat: bool):
+        call = ForwardedCall([(k.lower(), v) for k, v in headers.items()])
+        try:
+            call.authorize(frontend.tokens)
+            reply = frontend.respond(frontend.parse(body, chat), call)
+        except ServiceError as err:
+            return _error(ApiError.from_service(err))
+        except ApiError as err:
+            return _error(err)
+        if isinstance(reply, dict):
+            return JSONResponse(reply)
+        return StreamingResponse(reply, media_type="text/event-stream")
+
+    async def run(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(ApiError(400, "the request body is not valid JSON"))
+        # Decoding blocks: a worker thread runs it (a streamed answer's iterator too).
+        return await run_in_threadpool(answer, request.headers, body, chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run(request, chat=True)
+
+    @app.get("/v1/models")
+    def models(request: Request):
+        try:
+            ForwardedCall([(k.lower(), v) for k, v in request.headers.items()]).authorize(frontend.tokens)
+        except ServiceError as err:
+            return _error(ApiError.from_service(err))
+        return frontend.models()
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    return app
+
+
+def _set(request, name: str, value, kind: type, param: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"{param} must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=param)
+    if name in ("seed", "top_k") and value < 0:
+        raise ApiError(400, f"{param} must be >= 0, got {value}", param=param)
+    if name == "max_new_tokens" and not 0 < value < 2**31:
+        raise ApiError(400, f"{param} must be >= 1, got {value}", param=param)
+    setattr(request, name, kind(value))
+
+
+def _text_of(content, index: int) -> str:
+    """A message's text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def _usage(completion: Completion, generated: int) -> dict:
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": generated, "total_tokens": completion.prompt_tokens + generated}
+
+
+def _speculation(stats) -> dict:
+    """The request's RoundStats, plus acceptance under the names vLLM reports."""
+    out = {}
+    for field, value in stats.ListFields():
+        out[field.name] = dict(value) if hasattr(value, "items") else value if isinstance(value, (bool, int, float, str)) else list(value)
+    out["acceptance_rate"] = stats.accepted_draft_tokens / stats.drafted_tokens if stats.drafted_tokens else 0.0
+    out["mean_acceptance_length"] = 1 + stats.accepted_draft_tokens / stats.speculative_rounds if stats.speculative_rounds else 1.0
+    return out
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
