@@ -2,9 +2,11 @@
 one retry of an idempotent round."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -12,6 +14,8 @@ from specdec.core.tree import TreeShape
 from specdec.serving.rpc import CallCost, InProcessClient, MeasuredClient, ServiceError
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE, shape_to_proto
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+log = logging.getLogger(__name__)
 
 # Codes after which a service has lost (or never had) the session: re-open with the context.
 _REOPEN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
@@ -43,11 +47,20 @@ class ServiceCall:
 
 
 class ServicePair:
-    def __init__(self, drafter: str | InProcessClient, verifier_address: str, timeout_s: float = 120.0, proxies: list | None = None):
-        """`drafter`: the drafter's address, or a drafter running in this process."""
-        self.proxies = proxies or []  # emulated links in front of the services, closed with the pair
+    def __init__(
+        self, drafter: str | InProcessClient, verifier_address: str, timeout_s: float = 120.0, proxies: dict | None = None,
+        resolve: Callable[[str], str] | None = None,
+    ):
+        """`drafter`: the drafter's address, or a drafter running in this process. `proxies`:
+        emulated links in front of the services by name ("drafter", "verifier"), closed with the
+        pair. `resolve(name)`: where that service listens now (Ray Serve replicas bind a new port
+        when restarted), asked again whenever it cannot be reached."""
+        self.proxies = proxies or {}
+        self.resolve = resolve
         self.drafter = drafter if isinstance(drafter, InProcessClient) else MeasuredClient(drafter, DRAFTER_SERVICE)
         self.verifier = MeasuredClient(verifier_address, VERIFIER_SERVICE)
+        self._resolving = threading.Lock()
+        self._closed = threading.Event()
         self.timeout_s = timeout_s
         self.drafter_info, _ = self.drafter.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
         self.verifier_info, _ = self.verifier.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
@@ -77,10 +90,45 @@ class ServicePair:
             return "the drafter and the verifier loaded different steering checkpoints; both halves must come from one"
         return None
 
+    def reresolve(self, client) -> None:
+        """Asks where the service behind `client` listens now and dials there if it moved."""
+        if self.resolve is None or isinstance(client, InProcessClient):
+            return
+        name = "drafter" if client is self.drafter else "verifier"
+        with self._resolving:
+            try:
+                address = self.resolve(name)
+            except Exception as err:  # noqa: BLE001 - not known yet (restarting): the caller retries
+                log.info("could not resolve the %s yet: %s", name, err)
+                return
+            if name in self.proxies:
+                self.proxies[name].retarget(address)
+            elif address != client.address:
+                log.warning("the %s moved to %s", name, address)
+                client.retarget(address)
+
+    def watch(self, on_verifier: Callable[[bool], None], every_s: float = 2.0) -> None:
+        """Checks both services every `every_s` in a thread until the pair is closed,
+        re-resolving one that does not answer, and tells `on_verifier` whether the verifier is
+        reachable (without it no request can be served; without the drafter they go on alone)."""
+
+        def run() -> None:
+            while not self._closed.wait(every_s):
+                for client in (self.drafter, self.verifier):
+                    ok = client.reachable()
+                    if not ok:
+                        self.reresolve(client)
+                        ok = client.reachable()
+                    if client is self.verifier:
+                        on_verifier(ok)
+
+        threading.Thread(target=run, name="pair-watch", daemon=True).start()
+
     def close(self) -> None:
+        self._closed.set()
         self.drafter.close()
         self.verifier.close()
-        for proxy in self.proxies:
+        for proxy in self.proxies.values():
             proxy.close()
 
 
@@ -242,6 +290,7 @@ class PairSession:
                 out_of_time = self.deadline is not None and time.monotonic() + backoff_s > self.deadline
                 if not transient or retries == max_retries or out_of_time:
                     raise
+                self.pair.reresolve(client)
                 time.sleep(backoff_s)
                 backoff_s, retries = backoff_s * 2, retries + 1
 

@@ -6,12 +6,11 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import grpc
 
 from coordinator.budget import (
-    BudgetController,
     Plan,
     RoundReport,
     VerifyCosts,
@@ -116,6 +115,14 @@ class Meter:
         )
 
 
+class RoundPolicy(Protocol):
+    """Picks each round's plan and hears back what the round cost (FixedPolicy, BudgetController)."""
+
+    def choose(self) -> Plan: ...
+
+    def observe(self, report: RoundReport) -> None: ...
+
+
 class FixedPolicy:
     """The same plan every round."""
 
@@ -131,7 +138,7 @@ class FixedPolicy:
 
 def decode_rounds(
     session: PairSession,
-    policy: FixedPolicy | BudgetController,
+    policy: RoundPolicy,
     shape: TreeShape,
     fused_block: int,
     max_new_tokens: int,

@@ -17,6 +17,8 @@ from specdec.serving.replica import GrpcReplica
 from specdec.serving.rpc import ServiceError
 from specdec.v1 import coordinator_pb2
 
+RESOLVE_TIMEOUT_S = 2.0
+
 
 @serve.deployment(name="Coordinator", num_replicas=1)
 @serve.ingress()
@@ -28,7 +30,13 @@ class CoordinatorDeployment(GrpcReplica):
         # refused; ask from a worker thread instead.
         with ThreadPoolExecutor(max_workers=2) as pool:
             drafter_address, verifier_address = pool.map(lambda h: h and h.address.remote().result(), (drafter, verifier))
-        server, port, coordinator = start(parsed, drafter_address, verifier_address, RequestMetrics().record)
+        handles = {"drafter": drafter, "verifier": verifier}
+
+        def resolve(name: str) -> str:
+            """Where the service's replica listens now: a restarted one binds a new port."""
+            return handles[name].address.remote().result(timeout_s=RESOLVE_TIMEOUT_S)
+
+        server, port, coordinator = start(parsed, drafter_address, verifier_address, RequestMetrics().record, resolve)
         self._serving(server, port)
         self.servicer = CoordinatorServicer(coordinator)
         self.tokens = parsed.coordinator.auth.accepted()

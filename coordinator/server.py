@@ -8,6 +8,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import grpc
@@ -19,14 +20,15 @@ from coordinator.output import OutputTracker
 from specdec.core.models import load_tokenizer
 from specdec.core.prompts import chat_ids
 from specdec.core.sampling import validate_sampling
-from specdec.core.tree import MAX_DRAFT_NODES, TreeShape
-from specdec.serving.config import CoordinatorConfig
+from specdec.core.tree import TreeShape
+from specdec.serving.config import CoordinatorConfig, LimitsConfig
 from specdec.serving.latency_proxy import LatencyProxy
 from specdec.serving.rpc import (
     BearerTokenAuth,
     ServiceError,
     invalid,
     reports_errors,
+    set_serving,
     start_server,
 )
 from specdec.serving.wire import COORDINATOR_SERVICE, shape_from_proto
@@ -35,11 +37,24 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """How one request is decoded: its own fields, or the server's defaults where unset."""
+
+    max_new_tokens: int
+    budget: int  # draft tree nodes per round (0 = the verifier alone)
+    tree: TreeShape
+    adaptive: bool
+    overlap: bool
+    steering: bool
+
+
 class Coordinator:
     """Runs requests over a drafter/verifier pair."""
 
-    def __init__(self, config: CoordinatorConfig, pair: ServicePair, tokenizer_source: str, on_finished=None):
+    def __init__(self, config: CoordinatorConfig, limits: LimitsConfig, pair: ServicePair, tokenizer_source: str, on_finished=None):
         self.config = config
+        self.limits = limits
         self.on_finished = on_finished  # called with each finished request's RoundStats (metrics)
         self.pair = pair
         self.tokenizer = load_tokenizer(tokenizer_source)
@@ -62,15 +77,15 @@ class Coordinator:
             for greedy in (True, False)
             for overlap in (True, False)
         }
-        self.verify_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="verify")
+        self.verify_pool = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="verify")
         self.largest_budget = max(p.budget for p in plans)
-        self.slots = threading.BoundedSemaphore(config.max_concurrent_requests)
+        self.slots = threading.BoundedSemaphore(limits.max_concurrent_requests)
 
     @contextmanager
     def slot(self):
         """One of max_concurrent_requests; past them RESOURCE_EXHAUSTED at once, not a queue."""
         if not self.slots.acquire(blocking=False):
-            limit = self.config.max_concurrent_requests
+            limit = self.limits.max_concurrent_requests
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is serving its limit of {limit} requests; retry later")
         try:
             yield
@@ -102,9 +117,10 @@ class Coordinator:
             raise invalid(f"the prompt has {len(ids)} tokens; the verifier's context is {self.max_context}")
         return list(ids)
 
-    def check_request(self, request: coordinator_pb2.GenerateRequest) -> tuple[int, int, TreeShape, bool, bool, bool]:
-        """Validates the generation parameters; returns (max_new_tokens, budget, tree shape, adaptive, overlap, steering)."""
-        cap = self.config.max_new_tokens_cap
+    def check_request(self, request: coordinator_pb2.GenerateRequest) -> Settings:
+        """Validates the generation parameters; returns them with the server's defaults filled in."""
+        limits = self.limits
+        cap = limits.max_new_tokens
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else self.config.default_max_new_tokens
         if not 1 <= max_new <= cap:
             raise invalid(f"max_new_tokens must be in [1, {cap}], got {max_new}")
@@ -115,16 +131,16 @@ class Coordinator:
             raise invalid(str(err)) from None
         if any(not s for s in request.stop):
             raise invalid("stop strings must not be empty")
-        if len(request.stop) > self.config.max_stop_strings:
-            raise invalid(f"{len(request.stop)} stop strings; at most {self.config.max_stop_strings}")
-        if any(len(s) > self.config.max_stop_string_chars for s in request.stop):
-            raise invalid(f"a stop string is longer than {self.config.max_stop_string_chars} characters")
+        if len(request.stop) > limits.max_stop_strings:
+            raise invalid(f"{len(request.stop)} stop strings; at most {limits.max_stop_strings}")
+        if any(len(s) > limits.max_stop_string_chars for s in request.stop):
+            raise invalid(f"a stop string is longer than {limits.max_stop_string_chars} characters")
         budget = request.num_draft_tokens if request.HasField("num_draft_tokens") else self.config.num_draft_tokens
-        if not 0 <= budget <= MAX_DRAFT_NODES:
-            raise invalid(f"num_draft_tokens must be in [0, {MAX_DRAFT_NODES}] (0 = verifier only), got {budget}")
+        if not 0 <= budget <= limits.max_draft_tokens:
+            raise invalid(f"num_draft_tokens must be in [0, {limits.max_draft_tokens}] (0 = verifier only), got {budget}")
         shape = shape_from_proto(request.tree) if request.HasField("tree") else self.config.tree
         try:
-            shape.validate()
+            shape.validate(limits.max_draft_tokens)
         except ValueError as err:
             raise invalid(str(err)) from None
         if shape.ngram == "none" and not self.pair.drafter_info.num_layers:
@@ -138,7 +154,7 @@ class Coordinator:
         else:  # the server's default, where the pair can steer
             steering = self.config.steering and self.steering_problem is None
         # With the verifier alone there is no drafter to steer.
-        return max_new, budget, shape, adaptive, overlap, steering and (adaptive or budget > 0)
+        return Settings(max_new, budget, shape, adaptive, overlap, steering and (adaptive or budget > 0))
 
     def generate(
         self, request: coordinator_pb2.GenerateRequest, deadline: float | None = None, alive: Callable[[], bool] = lambda: True
@@ -146,9 +162,10 @@ class Coordinator:
         """One response per round with the new tokens and text; the last has finish_reason and
         stats. Every internal call gets what is left before `deadline` (time.monotonic()); the
         rounds stop once `alive()` is false (the client went away), and both sides are freed."""
-        max_new, budget, shape, adaptive, overlap, steering = self.check_request(request)
+        settings = self.check_request(request)
+        budget, adaptive, overlap = settings.budget, settings.adaptive, settings.overlap
         prompt = self.prompt_ids(request)
-        max_new = min(max_new, self.max_context - len(prompt) - max(budget, self.largest_budget if adaptive else 0) - 1)
+        max_new = min(settings.max_new_tokens, self.max_context - len(prompt) - max(budget, self.largest_budget if adaptive else 0) - 1)
         sampling = common_pb2.SamplingParams(
             temperature=request.temperature,
             top_p=request.top_p if request.HasField("top_p") else 1.0,
@@ -156,13 +173,13 @@ class Coordinator:
             seed=request.seed,
         )
         features = self.pair.features and (adaptive or budget > 0)
-        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, steering, features, deadline)
+        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, settings.steering, features, deadline)
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
         meter = Meter()
         try:
-            policy = self.controllers[request.temperature == 0, overlap] if adaptive else FixedPolicy(Plan(budget, shape.method))
+            policy = self.controllers[request.temperature == 0, overlap] if adaptive else FixedPolicy(Plan(budget, settings.tree.method))
             pool = self.verify_pool if overlap else None
-            for committed in decode_rounds(session, policy, shape, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool):
+            for committed in decode_rounds(session, policy, settings.tree, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool):
                 output.add(committed)
                 if output.finish_reason:
                     break
@@ -174,7 +191,7 @@ class Coordinator:
         finally:
             session.close()
         tokens, text = output.take_delta()
-        stats = meter.stats("adaptive" if adaptive else "fixed", overlap, steering, budget, shape.method, len(output.token_ids), features)
+        stats = meter.stats("adaptive" if adaptive else "fixed", overlap, settings.steering, budget, settings.tree.method, len(output.token_ids), features)
         if self.on_finished is not None:
             try:
                 self.on_finished(stats)
@@ -223,36 +240,44 @@ def serve(coordinator: Coordinator, host: str, port: int):
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
         host,
         port,
-        max_workers=coordinator.config.max_concurrent_requests + 4,
+        max_workers=coordinator.limits.max_concurrent_requests + 4,
         health_service=COORDINATOR_SERVICE,
         interceptors=(BearerTokenAuth(COORDINATOR_SERVICE, tokens),) if tokens else (),
     )
     return server, bound
 
 
-def start(config, drafter_address: str | None, verifier_address: str, on_finished=None):
+def start(config, drafter_address: str | None, verifier_address: str, on_finished=None, resolve=None):
     """Connects to both services, checks the pair, and starts the client API; returns
     (grpc server, bound port, coordinator). With coordinator.drafter_in_process the drafter
-    (one without a model) runs here instead, and drafter_address is not used."""
-    network, proxies = config.coordinator.network, []
+    (one without a model) runs here instead, and drafter_address is not used. `resolve(name)`
+    says where a service listens now (ServicePair); health says NOT_SERVING while the
+    verifier cannot be reached."""
+    network, proxies = config.coordinator.network, {}
     if config.coordinator.drafter_in_process:
         from drafter_service.server import in_process
 
-        drafter = in_process(config.drafter)
+        drafter = in_process(config.drafter, config.limits)
     else:
-        drafter = _through_link(drafter_address, network.drafter, proxies)
-    verifier_address = _through_link(verifier_address, network.verifier, proxies)
-    pair = ServicePair(drafter, verifier_address, config.coordinator.request_timeout_s, proxies)
-    coordinator = Coordinator(config.coordinator, pair, config.verifier.model.source, on_finished)
+        drafter = _through_link("drafter", drafter_address, network.drafter, proxies)
+    verifier_address = _through_link("verifier", verifier_address, network.verifier, proxies)
+    pair = ServicePair(drafter, verifier_address, config.coordinator.request_timeout_s, proxies, resolve)
+    coordinator = Coordinator(config.coordinator, config.limits, pair, config.verifier.model.source, on_finished)
     if config.resolved_steering_checkpoint() and coordinator.steering_problem:
         log.warning("requests will not be steered: %s", coordinator.steering_problem)
     server, port = serve(coordinator, config.coordinator.host, config.coordinator.port)
+
+    def verifier_reachable(ok: bool) -> None:
+        for service in ("", COORDINATOR_SERVICE):
+            set_serving(server, service, ok)
+
+    pair.watch(verifier_reachable)
     return server, port, coordinator
 
 
-def _through_link(address: str, link, proxies: list) -> str:
+def _through_link(name: str, address: str, link, proxies: dict) -> str:
     """The address to dial: the service itself, or an emulated link in front of it."""
     if not link.active:
         return address
-    proxies.append(LatencyProxy(address, link))
-    return proxies[-1].address
+    proxies[name] = LatencyProxy(address, link)
+    return proxies[name].address

@@ -12,4 +12,4 @@ from specdec.serving.replica import GrpcReplica
 class DrafterDeployment(GrpcReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)
-        self._serving(*start(parsed.drafter, **parsed.checkpoints("drafter")))
+        self._serving(*start(parsed.drafter, **parsed.service_args("drafter")))

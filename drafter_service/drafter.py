@@ -14,7 +14,7 @@ import torch
 
 from drafter_service.tree_builders import NextToken, builder_for
 from specdec.core.engine import LlamaEngine, engine_for
-from specdec.core.kv_cache import KVCache, TransformersCache
+from specdec.core.kv_cache import KVCache, TransformersCache, cache_nbytes
 from specdec.core.models import (
     ModelSpec,
     check_tree_attention,
@@ -36,7 +36,6 @@ from specdec.core.ngram import (
 from specdec.core.sampling import Sampling, warp_probs
 from specdec.core.steering import load_drafter_steering
 from specdec.core.tree import (
-    MAX_DRAFT_NODES,
     NGRAM_METHODS,
     ROOT,
     DraftTree,
@@ -45,8 +44,9 @@ from specdec.core.tree import (
     node_inputs,
     verification_inputs,
 )
+from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import ServiceError, invalid
-from specdec.serving.sessions import SessionStore, check_context
+from specdec.serving.sessions import SessionStore, check_context, check_kv_room
 
 
 @dataclass
@@ -96,18 +96,19 @@ class DrafterEngine:
         self,
         spec: ModelSpec,
         proposal_top_k: int = 32,
-        max_sessions: int = 64,
-        session_ttl_s: float = 600.0,
-        max_draft_tokens: int = MAX_DRAFT_NODES,
         steering_checkpoint: str | None = None,
         ngram: NgramSettings | None = None,
         staged_lookahead: int = 0,
+        limits: LimitsConfig = LimitsConfig(),
     ):
         self.spec = spec
         self._load_tokenizer(spec)
         self.proposal_top_k = proposal_top_k
-        self.max_draft_tokens = max_draft_tokens
-        self.sessions: SessionStore[DrafterSession] = SessionStore(max_sessions, session_ttl_s)
+        self.limits = limits
+        self.max_draft_tokens = limits.max_draft_tokens
+        self.sessions: SessionStore[DrafterSession] = SessionStore(
+            limits.max_sessions, limits.session_ttl_s, int(limits.max_kv_mib * 2**20), lambda session: cache_nbytes(session.cache)
+        )
         self._model_lock = threading.Lock()
         self.steering, self.steering_fingerprint = None, ""
         self.feature_size, self.feature_fingerprint = 0, ""  # a drafter that reads verifier features sets them
@@ -121,6 +122,10 @@ class DrafterEngine:
         self.lookahead = staged_lookahead
         self.stage2 = self.proposers[settings.method or "prompt-lookup"] if staged_lookahead else None
         self._load(spec, steering_checkpoint)
+        self.kv_bytes_per_token = self._kv_bytes_per_token()
+
+    def _kv_bytes_per_token(self) -> int:
+        return self.engine.kv_bytes_per_token
 
     def _load_tokenizer(self, spec: ModelSpec) -> None:
         self.tokenizer = load_tokenizer(spec.source)
@@ -198,7 +203,7 @@ class DrafterEngine:
         if not 1 <= num_tokens <= self.max_draft_tokens:
             raise invalid(f"num_draft_tokens must be in [1, {self.max_draft_tokens}], got {num_tokens}")
         try:
-            shape.validate()
+            shape.validate(self.max_draft_tokens)
         except ValueError as err:
             raise invalid(f"tree_shape: {err}") from None
         self._proposer(shape)  # refuses an n-gram choice this drafter cannot serve
@@ -218,6 +223,7 @@ class DrafterEngine:
                 )
             if committed_length + len(assumed) + 1 + num_tokens > self.max_context:
                 raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, f"drafting would exceed the model's context of {self.max_context}")
+            check_kv_room(committed_length + len(assumed) + 1 + num_tokens, self.kv_bytes_per_token, int(self.limits.max_session_kv_mib * 2**20))
             if features is not None:
                 self._take_features(session, *features)
             session.tokens.extend(new_tokens)

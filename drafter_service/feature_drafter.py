@@ -54,6 +54,9 @@ class FeatureDrafter(DrafterEngine):
         self.feature_size = self.head.hidden_size
         self.feature_fingerprint = feature_fingerprint(spec.source)
 
+    def _kv_bytes_per_token(self) -> int:
+        return self._new_cache().bytes_per_token
+
     def _new_cache(self) -> KVCache:
         layer = self.head.layer
         return KVCache(1, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu")

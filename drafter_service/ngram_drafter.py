@@ -22,6 +22,9 @@ class NgramDrafter(DrafterEngine):
     def _load_tokenizer(self, spec: ModelSpec) -> None:
         self.tokenizer, self.vocab_size, self.fingerprint = None, ANY_TOKEN, ""
 
+    def _kv_bytes_per_token(self) -> int:
+        return 0
+
     def _load(self, spec: ModelSpec, steering_checkpoint: str | None) -> None:
         if steering_checkpoint:
             raise ValueError(f"the '{spec.source}' drafter has no model to steer; it takes no steering checkpoint")

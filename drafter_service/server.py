@@ -10,6 +10,7 @@ from drafter_service.engines import drafter_for
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
+from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import InProcessClient, invalid, reports_errors, start_server
 from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
@@ -78,6 +79,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 list(request.pick_excludes),
                 request.round,
             )
+        self.engine.sessions.fit(request.session_id)  # the grown cache may push others out
         return drafter_pb2.DraftResponse(
             tree=tree_to_proto(draft.tree),
             assumed_token_ids=draft.assumed,
@@ -94,26 +96,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 
-def _servicer(config, steering_checkpoint: str | None) -> DrafterServicer:
+def _servicer(config, steering_checkpoint: str | None, limits: LimitsConfig) -> DrafterServicer:
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
         drafter_for,
-        config.model, config.proposal_top_k, config.max_sessions, config.session_ttl_s, steering_checkpoint=steering_checkpoint,
-        ngram=config.ngram, staged_lookahead=config.staged_lookahead,
+        config.model, config.proposal_top_k, steering_checkpoint=steering_checkpoint, ngram=config.ngram,
+        staged_lookahead=config.staged_lookahead, limits=limits,
     )
     return DrafterServicer(engine, compute)
 
 
-def in_process(config) -> InProcessClient:
+def in_process(config, limits: LimitsConfig) -> InProcessClient:
     """The drafter inside the caller's process (the coordinator's, for a model-free drafter)."""
-    return InProcessClient(_servicer(config, None), config.model.source)
+    return InProcessClient(_servicer(config, None, limits), config.model.source)
 
 
-def start(config, steering_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
+def start(config, steering_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig()) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering checkpoint) and starts serving it;
     returns (grpc server, bound port)."""
-    servicer = _servicer(config, steering_checkpoint)
+    servicer = _servicer(config, steering_checkpoint, limits)
     server, bound, _ = start_server(
         lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
         config.host,

@@ -43,8 +43,8 @@ def local_stack(config_dict: dict):
 
     config = config_from_dict(config_dict)
     config.coordinator.port = 0
-    v_server, v_port = verifier_service.server.start(config.verifier, **config.checkpoints("verifier"))
-    d_server, d_port = drafter_service.server.start(config.drafter, **config.checkpoints("drafter"))
+    v_server, v_port = verifier_service.server.start(config.verifier, **config.service_args("verifier"))
+    d_server, d_port = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
     c_server, c_port, coord = coordinator.server.start(config, f"localhost:{d_port}", f"localhost:{v_port}")
     try:
         yield {"coordinator": f"localhost:{c_port}", "drafter": f"localhost:{d_port}", "verifier": f"localhost:{v_port}", "coordinator_obj": coord}

@@ -193,8 +193,8 @@ def test_coordinator_refuses_a_mismatched_pair(tiny_dirs):
     config = config_from_dict(
         {"verifier": {"model": str(tiny_dirs["verifier"])}, "drafter": {"model": str(tiny_dirs["other_words"])}}
     )
-    v_server, v_port = verifier_service.server.start(config.verifier, **config.checkpoints("verifier"))
-    d_server, d_port = drafter_service.server.start(config.drafter, **config.checkpoints("drafter"))
+    v_server, v_port = verifier_service.server.start(config.verifier, **config.service_args("verifier"))
+    d_server, d_port = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
     try:
         with pytest.raises(PairMismatch, match="mismatched tokenizers"):
             ServicePair(f"localhost:{d_port}", f"localhost:{v_port}")
@@ -317,3 +317,33 @@ def test_bearer_tokens_guard_the_client_api_but_not_health(tiny_dirs, tmp_path):
             client.close()
     with pytest.raises(ConfigError, match="cannot read"):
         config_from_dict(tiny_config(tiny_dirs, auth={"tokens_file": str(tmp_path / "absent")})).validate()
+
+
+def test_the_limits_section_bounds_every_service(tiny_dirs):
+    """Lowered limits reach all three services: each refuses past them, naming the bound."""
+    from tests.conftest import local_stack, tiny_config
+
+    limits = {"max_draft_tokens": 5, "max_tree_nodes": 6, "max_fused_tokens": 8, "max_new_tokens": 50, "max_stop_strings": 1}
+    adaptive = {"chain_budgets": [1, 2, 4], "tree_budgets": [5]}
+    config = tiny_config(tiny_dirs, fused_block_tokens=4, default_max_new_tokens=20, adaptive=adaptive) | {"limits": limits}
+    with local_stack(config) as stack:
+        coordinator = CoordinatorClient(stack["coordinator"])
+        verifier = MeasuredClient(stack["verifier"], VERIFIER_SERVICE)
+        drafter = MeasuredClient(stack["drafter"], DRAFTER_SERVICE)
+        try:
+            for fields, phrase in (
+                ({"num_draft_tokens": 6}, "[0, 5]"),
+                ({"tree": common_pb2.TreeShape(method="dynamic", width=6)}, "width must be in [1, 5]"),
+                ({"max_new_tokens": 51}, "[1, 50]"),
+                ({"stop": ["a", "b"]}, "at most 1"),
+            ):
+                expect_error(lambda: coordinator.generate(generate_request("w1", **fields)), INVALID, phrase)
+            draft = drafter_pb2.DraftRequest(session_id="d", start=_start(), committed_length=3, num_draft_tokens=6)
+            expect_error(lambda: drafter.call("Draft", draft, drafter_pb2.DraftResponse), INVALID, "[1, 5]")
+            tree = common_pb2.DraftTree(token_ids=[4] * 7, parent=[-1] + list(range(6)))
+            expect_error(lambda: _verify(verifier, session_id="v", round=1, start=_start(), tree=tree), INVALID, "at most 6")
+            expect_error(lambda: _verify(verifier, session_id="f", round=1, start=_start(), fused_tokens=9), INVALID, "at most 8")
+            assert len(coordinator.generate(generate_request("w1 w2", max_new_tokens=50, num_draft_tokens=5)).token_ids) >= 1
+        finally:
+            for client in (coordinator, verifier, drafter):
+                client.close()

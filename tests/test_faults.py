@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 
 import coordinator.server
@@ -17,8 +18,8 @@ from tests.conftest import tiny_config
 def test_a_request_outlives_its_drafter_and_speculation_returns_with_it(tiny_dirs, tiny_verifier):
     config = config_from_dict(tiny_config(tiny_dirs, num_draft_tokens=3))
     config.coordinator.port = 0
-    v_server, v_port = verifier_service.server.start(config.verifier, **config.checkpoints("verifier"))
-    d_server, d_port = drafter_service.server.start(config.drafter, **config.checkpoints("drafter"))
+    v_server, v_port = verifier_service.server.start(config.verifier, **config.service_args("verifier"))
+    d_server, d_port = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
     c_server, c_port, coord = coordinator.server.start(config, f"localhost:{d_port}", f"localhost:{v_port}")
     client = CoordinatorClient(f"localhost:{c_port}")
     try:
@@ -33,7 +34,7 @@ def test_a_request_outlives_its_drafter_and_speculation_returns_with_it(tiny_dir
         assert last.stats.drafter_failures >= 1 and last.finish_reason
 
         config.drafter.port = d_port  # back on the same port: speculation resumes
-        d_server, _ = drafter_service.server.start(config.drafter, **config.checkpoints("drafter"))
+        d_server, _ = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
         deadline, drafted = time.time() + 30, 0
         while not drafted and time.time() < deadline:
             reply = client.generate(generate_request(prompt_token_ids=[1, 9], max_new_tokens=40))
@@ -181,14 +182,14 @@ def test_a_forward_that_fails_part_way_drops_its_session(tiny_dirs, monkeypatch)
 
 
 def test_overload_is_refused_at_once_not_queued(tiny_dirs):
-    """With coordinator.max_concurrent_requests = 1, a second request while one is streaming
+    """With limits.max_concurrent_requests = 1, a second request while one is streaming
     gets RESOURCE_EXHAUSTED right away; once the first ends, requests are served again."""
     import grpc
 
     from tests.conftest import local_stack
 
     link = {"rtt_ms": 20}
-    config = tiny_config(tiny_dirs, num_draft_tokens=3, max_concurrent_requests=1, network={"drafter": link, "verifier": link})
+    config = tiny_config(tiny_dirs, num_draft_tokens=3, network={"drafter": link, "verifier": link}) | {"limits": {"max_concurrent_requests": 1}}
     with local_stack(config) as stack:
         client = CoordinatorClient(stack["coordinator"])
         stream = client.stream(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=40))
@@ -236,3 +237,73 @@ def test_a_restarting_verifier_is_waited_for_and_the_session_reopened(tiny_dirs,
         for server in (c_server, d_server, servers["verifier"]):
             server.stop(grace=None)
         coord.pair.close()
+
+
+def test_health_says_whether_the_verifier_can_be_reached(tiny_dirs):
+    """The coordinator's health follows the verifier: NOT_SERVING while it is gone (no request
+    could be served), SERVING once it is back."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.serving.rpc import wait_until_serving
+
+    config = config_from_dict(tiny_config(tiny_dirs))
+    config.coordinator.port = 0
+    v_server, v_port = verifier_service.server.start(config.verifier)
+    d_server, d_port = drafter_service.server.start(config.drafter)
+    c_server, c_port, coord = coordinator.server.start(config, f"localhost:{d_port}", f"localhost:{v_port}")
+    servers = [c_server, d_server, v_server]
+    address = f"localhost:{c_port}"
+
+    def status() -> int:
+        with grpc.insecure_channel(address) as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Coordinator"), timeout=5).status
+
+    try:
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        v_server.stop(grace=None).wait()
+        deadline = time.monotonic() + 10
+        while status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "health still says SERVING with the verifier gone"
+            time.sleep(0.5)
+        config.verifier.port = v_port
+        servers[2], _ = verifier_service.server.start(config.verifier)
+        wait_until_serving(address, 10, "specdec.v1.Coordinator")
+    finally:
+        for server in servers:
+            server.stop(grace=None)
+        coord.pair.close()
+
+
+def test_kv_memory_is_bounded_per_session_and_in_total(tiny_dirs, tiny_verifier):
+    """One session may not grow its KV cache past limits.max_session_kv_mib (RESOURCE_EXHAUSTED
+    before any forward); past limits.max_kv_mib in total the least recently used session is
+    evicted, and its request re-opens it and stays exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from specdec.core.engine import engine_for
+    from specdec.core.models import ModelSpec, load_model
+    from specdec.serving.sessions import SessionStore
+    from tests.conftest import local_stack
+
+    per_token = engine_for(load_model(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8")), "int8").kv_bytes_per_token
+    # A session's cache starts at 256 positions: the total holds one session, not two.
+    limits = {"max_session_kv_mib": 40 * per_token / 2**20, "max_kv_mib": 1.5 * 256 * per_token / 2**20}
+    config = tiny_config(tiny_dirs, num_draft_tokens=2) | {"limits": limits}
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(generate_request(prompt_token_ids=[3] * 45, max_new_tokens=4))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_session_kv_mib" in refused.value.details()
+        prompts = [[1, 4, 5], [2, 6, 7], [3, 8, 9]]
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            outputs = list(pool.map(lambda p: list(client.generate(generate_request(prompt_token_ids=p, max_new_tokens=20)).token_ids), prompts))
+        assert outputs == [hf_greedy(tiny_verifier, p, 20) for p in prompts]
+        client.close()
+
+    store = SessionStore(8, 60.0, max_bytes=10, size_of=len)
+    for name, size in (("a", "xxxx"), ("b", "xxxx"), ("c", "xxxxxx")):
+        store.put(name, size)
+        store.fit(name)
+    assert store.pop("a") is None and store.pop("b") == "xxxx" and store.pop("c") == "xxxxxx"  # 14 > 10: the oldest went

@@ -129,8 +129,7 @@ def test_lost_session_is_reopened_with_full_context(tiny_dirs, tiny_verifier):
     """A verifier that forgets sessions (max_sessions=1 under concurrent load) answers
     NOT_FOUND; the coordinator re-sends the context and the output stays exact."""
     config = tiny_config(tiny_dirs)
-    config["verifier"]["max_sessions"] = 1
-    config["drafter"]["max_sessions"] = 1
+    config["limits"] = {"max_sessions": 1}
     with local_stack(config) as stack:
         client = CoordinatorClient(stack["coordinator"])
         prompts = [[3 + i, 4 + i, 5] for i in range(6)]

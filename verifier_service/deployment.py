@@ -12,4 +12,4 @@ from verifier_service.server import start
 class VerifierDeployment(GrpcReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)
-        self._serving(*start(parsed.verifier, **parsed.checkpoints("verifier")))
+        self._serving(*start(parsed.verifier, **parsed.service_args("verifier")))

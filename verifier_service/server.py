@@ -7,6 +7,7 @@ import grpc
 
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
+from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import invalid, reports_errors, start_server
 from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
@@ -43,6 +44,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         tree = tree_from_proto(request.tree)
         with dropped_on_failure(self.engine.sessions, request.session_id):
             result = self.compute.run(self.engine.verify, session, request.round, tree, request.fused_tokens, request.steering, request.features)
+        self.engine.sessions.fit(request.session_id)  # the grown cache may push others out
         return verifier_pb2.VerifyResponse(
             token_ids=result.token_ids,
             num_accepted_draft_tokens=result.num_accepted,
@@ -62,14 +64,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 
-def start(config, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None) -> tuple[grpc.Server, int]:
+def start(
+    config, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig()
+) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering or feature head checkpoint) and starts
     serving it; returns (grpc server, bound port)."""
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
-        VerifierEngine, config.model, config.max_sessions, config.session_ttl_s, config.max_tree_nodes, steering_checkpoint, feature_checkpoint,
-        config.max_fused_tokens,
+        VerifierEngine, config.model, steering_checkpoint, feature_checkpoint, limits,
     )
     servicer = VerifierServicer(engine, compute)
     server, bound, _ = start_server(

@@ -12,7 +12,7 @@ import torch
 
 from specdec.core.engine import engine_for
 from specdec.core.feature_head import feature_fingerprint, load_feature_fuse
-from specdec.core.kv_cache import KVCache, TransformersCache
+from specdec.core.kv_cache import KVCache, TransformersCache, cache_nbytes
 from specdec.core.models import (
     ModelSpec,
     check_tree_attention,
@@ -32,8 +32,9 @@ from specdec.core.sampling import (
 )
 from specdec.core.steering import load_verifier_steering, vector_to_tensor_fields
 from specdec.core.tree import DraftTree, MalformedTree, verification_inputs
+from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import ServiceError, invalid
-from specdec.serving.sessions import SessionStore, check_context
+from specdec.serving.sessions import SessionStore, check_context, check_kv_room
 
 
 @dataclass
@@ -66,8 +67,7 @@ class VerifierSession:
 
 class VerifierEngine:
     def __init__(
-        self, spec: ModelSpec, max_sessions: int = 64, session_ttl_s: float = 600.0, max_tree_nodes: int = 256,
-        steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, max_fused_tokens: int = 64,
+        self, spec: ModelSpec, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(),
     ):
         self.spec = spec
         self.model = load_model(spec)
@@ -77,10 +77,14 @@ class VerifierEngine:
         self.vocab_size = len(self.tokenizer)
         self.eos_ids = set(eos_token_ids(self.model, self.tokenizer))
         self.max_context = max_context(self.model)
-        self.max_tree_nodes = max_tree_nodes
-        self.max_fused_tokens = max_fused_tokens
+        self.limits = limits
+        self.kv_bytes_per_token = self.engine.kv_bytes_per_token
+        self.max_tree_nodes = limits.max_tree_nodes
+        self.max_fused_tokens = limits.max_fused_tokens
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.sessions: SessionStore[VerifierSession] = SessionStore(max_sessions, session_ttl_s)
+        self.sessions: SessionStore[VerifierSession] = SessionStore(
+            limits.max_sessions, limits.session_ttl_s, int(limits.max_kv_mib * 2**20), lambda session: cache_nbytes(session.cache)
+        )
         self._model_lock = threading.Lock()  # one forward pass at a time on a shared model
         self.steering, self.steering_fingerprint = None, ""
         if steering_checkpoint:
@@ -134,6 +138,7 @@ class VerifierEngine:
                     grpc.StatusCode.OUT_OF_RANGE,
                     f"the session would exceed the model's context of {self.max_context} tokens",
                 )
+            check_kv_room(len(session.tokens) + len(tree) + max(fused_tokens, 1), self.kv_bytes_per_token, int(self.limits.max_session_kv_mib * 2**20))
             start = time.perf_counter()
             features_start = session.num_cached
             hidden = steering or features

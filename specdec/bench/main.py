@@ -205,7 +205,7 @@ def run_bench(args) -> int:
         if args.address:
             address = args.address
         elif j == 0:
-            address = start_stack(stack_args, args.port)
+            address = start_stack(stack_args, args.port, proxies=False)
         else:
             address = deploy(stack_args, args.port + j, name=f"{APP_NAME}-{j}")
         clients[source] = CoordinatorClient(address, server_token(config))

@@ -56,7 +56,7 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
             link = {"rtt_ms": rtt, "jitter_ms": args.jitter_ms, "bandwidth_mbps": args.bandwidth_mbps}
             port = args.port + i  # the previous coordinator may still hold the last port
             rtt_args = {**app_args, "coordinator": {"port": port, "network": {"drafter": link, "verifier": link}, "adaptive": adaptive}}
-            address = start_stack(rtt_args, port) if i == 0 else deploy(rtt_args, port)
+            address = start_stack(rtt_args, port, proxies=False) if i == 0 else deploy(rtt_args, port)
             client = CoordinatorClient(address, server_token(config))
             for temperature in temperatures:
                 def request(j: int, ids: list[int], fields: dict, length: int = args.max_new_tokens):

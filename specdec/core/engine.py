@@ -191,6 +191,10 @@ class LlamaEngine(torch.nn.Module):
             bundles.append((weights, [m.out_features for m in layer_linears], eps))
         return bundles
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.new_cache().bytes_per_token
+
     def new_cache(self) -> KVCache:
         native_attention = self._native_attention() is not None
         # Without the native kernel attention runs in float64 (see _attention); keys and values
@@ -325,6 +329,13 @@ class TransformersEngine:
 
     def new_cache(self) -> TransformersCache:
         return TransformersCache(config=self.model.config)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
 
     def __call__(
         self,

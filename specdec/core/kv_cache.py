@@ -72,3 +72,22 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // self.values.shape[2]
+
+
+def cache_nbytes(cache: KVCache | TransformersCache | None) -> int:
+    """Memory a session's cache holds (a model-free drafter keeps none)."""
+    if cache is None:
+        return 0
+    if isinstance(cache, KVCache):
+        return cache.nbytes
+    # Read while another session's forward may be filling its layers: a missing tensor counts 0.
+    tensors = [getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values")]
+    return sum(t.nbytes for t in tensors if t is not None)

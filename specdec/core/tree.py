@@ -103,7 +103,7 @@ class DraftTree:
                 raise MalformedTree(f"tokens {missing} under node {node} have no probability in its proposal")
 
 
-MAX_DRAFT_NODES = 64  # the largest node budget of one draft
+MAX_DRAFT_NODES = 64  # the largest node budget of one draft, unless limits.max_draft_tokens says otherwise
 
 
 @dataclass
@@ -118,12 +118,11 @@ class TreeShape:
     # NGRAM_METHODS (with a drafter model: hybrid drafts; without one: the only drafts)
     ngram: str = ""
 
-    def validate(self) -> None:
+    def validate(self, cap: int = MAX_DRAFT_NODES) -> None:
         """Raises ValueError naming the field that is out of range. No draft has more than
-        MAX_DRAFT_NODES nodes, so a larger width, branching or depth means nothing, and is
-        refused before a builder could spend time on it (a dynamic tree ranks width^2
-        candidates per depth)."""
-        cap = MAX_DRAFT_NODES
+        `cap` nodes, so a larger width, branching or depth means nothing, and is refused
+        before a builder could spend time on it (a dynamic tree ranks width^2 candidates per
+        depth)."""
         if self.method not in TREE_METHODS:
             raise ValueError(f"tree method must be one of {', '.join(TREE_METHODS)}, got '{self.method}'")
         if not 1 <= len(self.branching) <= cap or any(not 1 <= b <= cap for b in self.branching):

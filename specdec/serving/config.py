@@ -32,8 +32,6 @@ class ServiceConfig:
     host: str = "0.0.0.0"
     port: int = 0  # 0 = any free port (the coordinator finds it)
     torch_threads: int = 0  # 0 = one per core
-    max_sessions: int = 64
-    session_ttl_s: float = 600.0
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
 
 
@@ -54,8 +52,25 @@ class DrafterConfig(ServiceConfig):
 
 @dataclass
 class VerifierConfig(ServiceConfig):
-    max_tree_nodes: int = 256  # the largest draft tree one call may send
-    max_fused_tokens: int = 64  # the most tokens one verifier-only call may ask for
+    """The verifier's settings (what one call may ask of it is in `limits`)."""
+
+
+@dataclass
+class LimitsConfig:
+    """Every bound on what a request or a service may take, in one place: past one, a call is
+    refused (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) before any heavy work."""
+
+    max_draft_tokens: int = MAX_DRAFT_NODES  # draft tree nodes per round; also caps tree width, branching and depth
+    max_tree_nodes: int = 256  # nodes of a tree sent straight to the verifier in one call
+    max_fused_tokens: int = 64  # tokens one verifier-only call may ask for
+    max_new_tokens: int = 2048  # per request
+    max_concurrent_requests: int = 32  # at the coordinator; more at once get RESOURCE_EXHAUSTED, not a queue
+    max_stop_strings: int = 16  # per request
+    max_stop_string_chars: int = 256  # per stop string
+    max_sessions: int = 64  # KV caches each service keeps; the least recently used is evicted
+    session_ttl_s: float = 600.0  # a session idle this long is dropped
+    max_kv_mib: float = 4096.0  # KV cache memory of all sessions of a service; past it the least recently used are evicted
+    max_session_kv_mib: float = 1024.0  # one session's KV cache; a call growing it past this gets RESOURCE_EXHAUSTED
 
 
 @dataclass
@@ -109,11 +124,7 @@ class CoordinatorConfig:
     num_draft_tokens: int = 4  # the speculation budget per round: draft tree nodes
     tree: TreeShape = field(default_factory=TreeShape)  # how the drafter spends the budget
     fused_block_tokens: int = 8  # tokens per call when the verifier generates alone
-    default_max_new_tokens: int = 128
-    max_new_tokens_cap: int = 2048
-    max_concurrent_requests: int = 32  # more at once are refused with RESOURCE_EXHAUSTED
-    max_stop_strings: int = 16  # stop strings per request
-    max_stop_string_chars: int = 256  # characters per stop string
+    default_max_new_tokens: int = 128  # limits.max_new_tokens caps what a request may ask
     request_timeout_s: float = 120.0
     # Where the services listen when run without Ray (host:port); under Ray Serve the
     # coordinator asks the deployments.
@@ -138,6 +149,7 @@ class Config:
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(ModelSpec(BUILTIN_SMOLLM2, dtype="int8")))
     drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(ModelSpec(BUILTIN_FEATURE_HEAD, dtype="int8")))
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     # SD²: a checkpoint from `specdec distill --steering`; each service loads its own half.
     # null = the drafter's own directory when it is one made for this verifier; "" = none.
     steering_checkpoint: str | None = None
@@ -157,36 +169,40 @@ class Config:
             return None
         return drafter
 
-    def checkpoints(self, service: str) -> dict[str, str | None]:
-        """What a service loads besides its model: `start(section, **config.checkpoints(name))`."""
-        loaded = {"steering_checkpoint": self.resolved_steering_checkpoint()}
+    def service_args(self, service: str) -> dict:
+        """What a service takes besides its section: `start(section, **config.service_args(name))`,
+        the limits and the checkpoints it loads besides its model."""
+        args = {"limits": self.limits, "steering_checkpoint": self.resolved_steering_checkpoint()}
         if service == "verifier":
-            loaded["feature_checkpoint"] = self.resolved_feature_checkpoint()
-        return loaded
+            args["feature_checkpoint"] = self.resolved_feature_checkpoint()
+        return args
 
     def __post_init__(self):
-        checks = [
-            (self.coordinator.num_draft_tokens >= 0, "coordinator.num_draft_tokens must be >= 0 (0 = verifier only)"),
+        limits = self.limits
+        checks = [(getattr(limits, f.name) > 0, f"limits.{f.name} must be > 0") for f in dataclasses.fields(limits) if f.name != "max_stop_strings"]
+        checks += [
+            (limits.max_stop_strings >= 0, "limits.max_stop_strings must be >= 0"),
+            (limits.max_draft_tokens <= limits.max_tree_nodes, "limits.max_draft_tokens must be <= limits.max_tree_nodes"),
+            (limits.max_session_kv_mib <= limits.max_kv_mib, "limits.max_session_kv_mib must be <= limits.max_kv_mib"),
             (self.coordinator.fused_block_tokens >= 1, "coordinator.fused_block_tokens must be >= 1"),
-            (self.verifier.max_tree_nodes >= 1, "verifier.max_tree_nodes must be >= 1"),
             (
-                self.coordinator.fused_block_tokens <= self.verifier.max_fused_tokens,
-                "coordinator.fused_block_tokens must be <= verifier.max_fused_tokens",
+                self.coordinator.fused_block_tokens <= limits.max_fused_tokens,
+                "coordinator.fused_block_tokens must be <= limits.max_fused_tokens",
             ),
-            (self.coordinator.max_new_tokens_cap >= 1, "coordinator.max_new_tokens_cap must be >= 1"),
-            (self.coordinator.max_stop_strings >= 0, "coordinator.max_stop_strings must be >= 0"),
-            (self.coordinator.max_concurrent_requests >= 1, "coordinator.max_concurrent_requests must be >= 1"),
             (all(t.strip() == t and t for t in self.coordinator.auth.tokens), "coordinator.auth.tokens must be non-empty, without surrounding spaces"),
-            (self.coordinator.max_stop_string_chars >= 1, "coordinator.max_stop_string_chars must be >= 1"),
             (
-                1 <= self.coordinator.default_max_new_tokens <= self.coordinator.max_new_tokens_cap,
-                "coordinator.default_max_new_tokens must be in [1, max_new_tokens_cap]",
+                1 <= self.coordinator.default_max_new_tokens <= limits.max_new_tokens,
+                "coordinator.default_max_new_tokens must be in [1, limits.max_new_tokens]",
+            ),
+            (
+                0 <= self.coordinator.num_draft_tokens <= limits.max_draft_tokens,
+                f"coordinator.num_draft_tokens must be in [0, {limits.max_draft_tokens}] (limits.max_draft_tokens; 0 = verifier only)",
             ),
             (0 <= self.coordinator.port < 65536, "coordinator.port must be in [0, 65535]"),
             (self.drafter.proposal_top_k >= 1, "drafter.proposal_top_k must be >= 1"),
             (
-                all(1 <= b <= MAX_DRAFT_NODES for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets + self.coordinator.adaptive.hybrid_budgets),
-                f"coordinator.adaptive budgets must be in [1, {MAX_DRAFT_NODES}]",
+                all(1 <= b <= limits.max_draft_tokens for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets + self.coordinator.adaptive.hybrid_budgets),
+                f"coordinator.adaptive budgets must be in [1, {limits.max_draft_tokens}] (limits.max_draft_tokens)",
             ),
             (self.coordinator.adaptive.tree_method in TREE_METHODS, f"coordinator.adaptive.tree_method must be one of {', '.join(TREE_METHODS)}"),
             (self.coordinator.adaptive.hybrid_ngram in NGRAM_METHODS, f"coordinator.adaptive.hybrid_ngram must be one of {', '.join(NGRAM_METHODS)}"),
@@ -196,7 +212,6 @@ class Config:
             service = getattr(self, name)
             checks += [
                 (0 <= service.port < 65536, f"{name}.port must be in [0, 65535]"),
-                (service.max_sessions >= 1, f"{name}.max_sessions must be >= 1"),
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
                 (service.model.dtype in WEIGHT_FORMATS, f"{name}.model.dtype must be one of {', '.join(WEIGHT_FORMATS)}"),
                 (
@@ -214,8 +229,8 @@ class Config:
         drafter = self.drafter.model.source
         if self.drafter.staged_lookahead and (is_model_free(drafter) or is_feature_head(drafter)):
             raise ConfigError("drafter.staged_lookahead speeds up a drafter model's own drafting; this drafter has none (n-gram) or is a feature head")
-        if not 0 <= self.drafter.staged_lookahead <= MAX_DRAFT_NODES:
-            raise ConfigError(f"drafter.staged_lookahead must be in [0, {MAX_DRAFT_NODES}]")
+        if not 0 <= self.drafter.staged_lookahead <= limits.max_draft_tokens:
+            raise ConfigError("drafter.staged_lookahead must be in [0, limits.max_draft_tokens]")
         if self.coordinator.drafter_in_process and not is_model_free(drafter):
             raise ConfigError("coordinator.drafter_in_process needs a drafter without a model: drafter.model prompt-lookup or suffix")
         try:
@@ -223,7 +238,7 @@ class Config:
         except ValueError as err:
             raise ConfigError(f"drafter.ngram.{err}") from None
         try:
-            self.coordinator.tree.validate()
+            self.coordinator.tree.validate(limits.max_draft_tokens)
         except ValueError as err:
             raise ConfigError(f"coordinator.{err}") from None
         for link in ("drafter", "verifier"):

@@ -16,11 +16,12 @@ COORDINATOR_SERVICER = "specdec.v1.coordinator_pb2_grpc.add_CoordinatorServicer_
 
 def start_stack(
     app_args: dict, port: int, ray_address: str | None = None, timeout_s: float = 900.0,
-    http_port: int = HTTP_PORT, grpc_proxy_port: int = GRPC_PROXY_PORT,
+    http_port: int = HTTP_PORT, grpc_proxy_port: int = GRPC_PROXY_PORT, proxies: bool = True,
 ) -> str:
     """Deploys drafter, verifier and coordinator with Ray Serve and waits until the client API
     reports SERVING; returns its address. Serve's proxies listen on http_port (the OpenAI API)
-    and grpc_proxy_port (the Coordinator API through Serve)."""
+    and grpc_proxy_port (the Coordinator API through Serve); `proxies=False` starts none (the
+    benchmarks talk to the coordinator's own port and leave 8000 and 9000 free)."""
     import ray
     from ray import serve
 
@@ -30,7 +31,7 @@ def start_stack(
         else:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     serve.start(
-        proxy_location="HeadOnly",
+        proxy_location="HeadOnly" if proxies else "Disabled",
         http_options={"host": "0.0.0.0", "port": http_port},
         grpc_options={"port": grpc_proxy_port, "grpc_servicer_functions": [COORDINATOR_SERVICER], "enable_reflection": True},
     )

@@ -168,6 +168,13 @@ def stop_gracefully(server: grpc.Server, drain_s: float = SHUTDOWN_DRAIN_S, grac
     return stopped
 
 
+def set_serving(server: grpc.Server, service: str, serving: bool) -> None:
+    """What the server's health service says of `service` (a server stopping stays NOT_SERVING)."""
+    health_servicer = _health_of.get(server)
+    if health_servicer is not None:
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 def serve_until_terminated(server: grpc.Server) -> None:
     """Blocks until SIGTERM or Ctrl-C, then stops the server gracefully."""
     stop = threading.Event()
@@ -248,6 +255,22 @@ class MeasuredClient:
         )
         return response, cost
 
+    def retarget(self, address: str) -> None:
+        """Dials `address` from now on: the service moved (a restarted replica binds a new port)."""
+        if address == self.address:
+            return
+        old = self.channel
+        self.address, self.channel, self._methods = address, grpc.insecure_channel(address, options=CHANNEL_OPTIONS), {}
+        old.close()
+
+    def reachable(self, timeout_s: float = 2.0) -> bool:
+        """Whether the service answers its health check with SERVING."""
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=self._service), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     def close(self) -> None:
         self.channel.close()
 
@@ -286,6 +309,9 @@ class InProcessClient:
 
     def call_async(self, method: str, request, timeout: float = 10.0) -> None:
         self.call(method, request, None)
+
+    def reachable(self, timeout_s: float = 2.0) -> bool:
+        return True
 
     def close(self) -> None:
         pass

@@ -32,6 +32,6 @@ def run_service(name: str, start: Callable) -> None:
         section.model = dataclasses.replace(section.model, layers=args.layers)
     section.host = args.host or section.host
     section.port = args.port if args.port is not None else section.port
-    server, port = start(section, **config.checkpoints(name))
+    server, port = start(section, **config.service_args(name))
     print(f"{name} serving {section.model.source} on {section.host}:{port}", flush=True)
     serve_until_terminated(server)

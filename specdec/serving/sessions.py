@@ -5,7 +5,7 @@ import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 import grpc
 
@@ -15,12 +15,15 @@ State = TypeVar("State")
 
 
 class SessionStore(Generic[State]):
-    """Sessions by id. The least recently used session is evicted when the store is full, and
-    any session idle for longer than ttl_s; the caller then re-opens it with its full context."""
+    """Sessions by id. The least recently used session is evicted when the store is full, or
+    when the sessions' memory (`size_of`) passes max_bytes (0 = no bound), and any session
+    idle for longer than ttl_s; the caller then re-opens it with its full context."""
 
-    def __init__(self, max_sessions: int, ttl_s: float):
+    def __init__(self, max_sessions: int, ttl_s: float, max_bytes: int = 0, size_of: Callable[[State], int] = lambda state: 0):
         self._max = max_sessions
         self._ttl = ttl_s
+        self._max_bytes = max_bytes
+        self._size_of = size_of
         self._items: OrderedDict[str, tuple[State, float]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -43,6 +46,23 @@ class SessionStore(Generic[State]):
             self._items.move_to_end(session_id)
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
+
+    def fit(self, session_id: str) -> None:
+        """Evicts the least recently used sessions other than `session_id` until all of them
+        together hold at most max_bytes (a session that grew)."""
+        if not self._max_bytes:
+            return
+        with self._lock:
+            total = sum(self._size_of(state) for state, _ in self._items.values())
+            for key in [k for k in self._items if k != session_id]:
+                if total <= self._max_bytes:
+                    break
+                total -= self._size_of(self._items.pop(key)[0])
+
+    def nbytes(self) -> int:
+        """Memory all sessions hold together."""
+        with self._lock:
+            return sum(self._size_of(state) for state, _ in self._items.values())
 
     def __len__(self) -> int:
         with self._lock:
@@ -72,6 +92,16 @@ def dropped_on_failure(store: SessionStore, session_id: str):
     except Exception:
         store.pop(session_id)
         raise
+
+
+def check_kv_room(tokens: int, bytes_per_token: int, max_bytes: int) -> None:
+    """Refuses a call that would grow one session's KV cache past max_bytes, before its forward."""
+    if tokens * bytes_per_token > max_bytes:
+        raise ServiceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{tokens} tokens need {tokens * bytes_per_token / 2**20:.0f} MiB of KV cache; a session may hold at most "
+            f"{max_bytes / 2**20:.0f} MiB (limits.max_session_kv_mib)",
+        )
 
 
 def check_context(context: list[int], vocab_size: int, max_len: int, field_name: str) -> None:

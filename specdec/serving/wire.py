@@ -1,6 +1,8 @@
 """Conversions between the wire messages and the in-process types."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from specdec.core.sampling import Sampling, validate_sampling
 from specdec.core.tree import DraftTree, Proposal, TreeShape
 from specdec.serving.rpc import invalid
@@ -58,7 +60,18 @@ def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
         feature_size=engine.feature_size,
         feature_fingerprint=engine.feature_fingerprint,
         active_sessions=len(engine.sessions),
+        kv_cache_mib=engine.sessions.nbytes() / 2**20,
+        resident_mib=resident_mib(),
     )
+
+
+def resident_mib() -> float:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0.0)
 
 
 def shape_to_proto(shape: TreeShape) -> common_pb2.TreeShape:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"x\n\tDraftTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06parent\x18\x02 \x03(\x05\x12\x16\n\x0e\x65xpanded_nodes\x18\x03 \x03(\x05\x12\x30\n\x08proposal\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\"_\n\tTreeShape\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tbranching\x18\x02 \x03(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x11\n\tmax_depth\x18\x04 \x01(\r\x12\r\n\x05ngram\x18\x05 \x01(\t\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa3\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x15\n\rsteering_size\x18\x08 \x01(\x05\x12\x1c\n\x14steering_fingerprint\x18\t \x01(\t\x12\x14\n\x0c\x66\x65\x61ture_size\x18\n \x01(\x05\x12\x1b\n\x13\x66\x65\x61ture_fingerprint\x18\x0b \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0c \x01(\r\"\r\n\x0bInfoRequest\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"n\n\x0cSessionStart\x12\x19\n\x11\x63ontext_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rprompt_length\x18\x03 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"x\n\tDraftTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06parent\x18\x02 \x03(\x05\x12\x16\n\x0e\x65xpanded_nodes\x18\x03 \x03(\x05\x12\x30\n\x08proposal\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\"_\n\tTreeShape\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tbranching\x18\x02 \x03(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x11\n\tmax_depth\x18\x04 \x01(\r\x12\r\n\x05ngram\x18\x05 \x01(\t\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xcf\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x15\n\rsteering_size\x18\x08 \x01(\x05\x12\x1c\n\x14steering_fingerprint\x18\t \x01(\t\x12\x14\n\x0c\x66\x65\x61ture_size\x18\n \x01(\x05\x12\x1b\n\x13\x66\x65\x61ture_fingerprint\x18\x0b \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0c \x01(\r\x12\x14\n\x0ckv_cache_mib\x18\r \x01(\x01\x12\x14\n\x0cresident_mib\x18\x0e \x01(\x01\"\r\n\x0bInfoRequest\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"n\n\x0cSessionStart\x12\x19\n\x11\x63ontext_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rprompt_length\x18\x03 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,13 +42,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=397
   _globals['_TENSOR']._serialized_end=449
   _globals['_MODELINFO']._serialized_start=452
-  _globals['_MODELINFO']._serialized_end=743
-  _globals['_INFOREQUEST']._serialized_start=745
-  _globals['_INFOREQUEST']._serialized_end=758
-  _globals['_ENDSESSIONREQUEST']._serialized_start=760
-  _globals['_ENDSESSIONREQUEST']._serialized_end=799
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=801
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=838
-  _globals['_SESSIONSTART']._serialized_start=840
-  _globals['_SESSIONSTART']._serialized_end=950
+  _globals['_MODELINFO']._serialized_end=787
+  _globals['_INFOREQUEST']._serialized_start=789
+  _globals['_INFOREQUEST']._serialized_end=802
+  _globals['_ENDSESSIONREQUEST']._serialized_start=804
+  _globals['_ENDSESSIONREQUEST']._serialized_end=843
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=845
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=882
+  _globals['_SESSIONSTART']._serialized_start=884
+  _globals['_SESSIONSTART']._serialized_end=994
 # @@protoc_insertion_point(module_scope)

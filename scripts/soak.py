@@ -1,0 +1,174 @@
+"""Load and soak test: many concurrent streams against the served stack for minutes, mixed
+greedy, sampled, cancelled and bad requests. It checks that nothing unexpected fails, that
+every greedy output equals the verifier alone's, that no session is left behind, and how
+much memory each service holds at the start and the end.
+
+    .venv/bin/python scripts/soak.py --minutes 10 --concurrency 32 --out docs/benchmarks/soak.json
+
+Without --address it starts the stack itself (as `specdec serve` does, default config).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+from specdec.core.prompts import evaluation_split, load_prompts
+from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.serving.rpc import MeasuredClient
+from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
+from specdec.v1 import common_pb2
+
+BAD_REQUESTS = [
+    generate_request(""),
+    generate_request("Hi", temperature=-1.0),
+    generate_request("Hi", max_new_tokens=0),
+    generate_request("Hi", top_p=1.5),
+    generate_request("Hi", num_draft_tokens=10**6),
+    generate_request("Hi", stop=[""]),
+    generate_request(prompt_token_ids=[10**9]),
+]
+
+
+def service_state(app: str = "specdec") -> dict:
+    """What each model service holds now: sessions, their KV cache and the process's memory."""
+    from ray import serve
+
+    state = {}
+    for name, service in (("Drafter", DRAFTER_SERVICE), ("Verifier", VERIFIER_SERVICE)):
+        client = MeasuredClient(serve.get_deployment_handle(name, app_name=app).address.remote().result(), service)
+        info, _ = client.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo)
+        client.close()
+        state[name.lower()] = {"sessions": info.active_sessions, "kv_cache_mib": round(info.kv_cache_mib, 1), "resident_mib": round(info.resident_mib, 1)}
+    return state
+
+
+class Soak:
+    def __init__(self, address: str, prompts: list[str], max_new_tokens: int, seconds: float):
+        self.address, self.prompts, self.max_new_tokens = address, prompts, max_new_tokens
+        self.until = time.monotonic() + seconds
+        self.outcomes: Counter = Counter()
+        self.unexpected: list[str] = []
+        self.lock = threading.Lock()
+        self.references = {}
+
+    def prepare(self) -> None:
+        """The verifier alone's greedy answer to every prompt: what speculation must equal."""
+        client = CoordinatorClient(self.address)
+        for prompt in self.prompts:
+            reply = client.generate(generate_request(prompt, use_chat_template=True, max_new_tokens=self.max_new_tokens, num_draft_tokens=0))
+            self.references[prompt] = list(reply.token_ids)
+        client.close()
+
+    def worker(self, seed: int) -> None:
+        rng, client = random.Random(seed), CoordinatorClient(self.address)
+        while time.monotonic() < self.until:
+            kind = rng.choices(["greedy", "sampled", "cancelled", "bad"], weights=[5, 3, 1, 1])[0]
+            try:
+                self._one(client, rng, kind)
+            except grpc.RpcError as err:
+                with self.lock:
+                    self.unexpected.append(f"{kind}: {err.code().name}: {err.details()}")
+        client.close()
+
+    def _one(self, client: CoordinatorClient, rng: random.Random, kind: str) -> None:
+        prompt = rng.choice(self.prompts)
+        if kind == "bad":
+            try:
+                client.generate(rng.choice(BAD_REQUESTS), timeout=60)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                self._count("bad refused")
+                return
+            self._record("bad request was served")
+            return
+        fields = dict(use_chat_template=True, max_new_tokens=self.max_new_tokens)
+        if kind == "greedy":
+            tokens = [t for part in client.stream(generate_request(prompt, **fields), timeout=600) for t in part.token_ids]
+            if tokens != self.references[prompt]:
+                self._record(f"greedy output differs from the verifier alone's for {prompt[:40]!r}")
+                return
+        elif kind == "sampled":
+            reply = client.generate(generate_request(prompt, temperature=0.8, top_p=0.95, seed=rng.randrange(2**32), **fields), timeout=600)
+            if not reply.finish_reason:
+                self._record("a sampled answer has no finish_reason")
+                return
+        else:
+            stream = client.stream(generate_request(prompt, **fields), timeout=600)
+            next(stream)
+            stream.cancel()
+        self._count(kind)
+
+    def _count(self, outcome: str) -> None:
+        with self.lock:
+            self.outcomes[outcome] += 1
+
+    def _record(self, problem: str) -> None:
+        with self.lock:
+            self.unexpected.append(problem)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--address", help="a running coordinator (its Ray cluster must be reachable); default: start the stack here")
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--out", default="docs/benchmarks/soak.json")
+    args = parser.parse_args()
+
+    import ray
+
+    from specdec.serving.launch import start_stack, stop_stack
+
+    address = args.address
+    if address is None:
+        address = start_stack({}, 50051)
+    elif not ray.is_initialized():
+        ray.init(address="auto")
+    prompts = [row["prompt"] for row in evaluation_split(load_prompts(), args.num_prompts)]
+    soak = Soak(address, prompts, args.max_new_tokens, args.minutes * 60)
+    soak.prepare()
+    before = service_state()
+    print(f"start: {before}", flush=True)
+    started = time.monotonic()
+    soak.until = started + args.minutes * 60
+    threads = [threading.Thread(target=soak.worker, args=(i,)) for i in range(args.concurrency)]
+    for thread in threads:
+        thread.start()
+    while any(t.is_alive() for t in threads):
+        time.sleep(30)
+        print(f"{(time.monotonic() - started) / 60:.1f} min: {dict(soak.outcomes)}, unexpected {len(soak.unexpected)}", flush=True)
+    time.sleep(2)  # EndSession calls are fire and forget
+    after = service_state()
+    report = {
+        "command": "python scripts/soak.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "address"),
+        "minutes": args.minutes,
+        "concurrency": args.concurrency,
+        "outcomes": dict(soak.outcomes),
+        "requests": sum(soak.outcomes.values()) + len(soak.unexpected),
+        "unexpected": soak.unexpected[:50],
+        "unexpected_count": len(soak.unexpected),
+        "services_start": before,
+        "services_end": after,
+        "sessions_left": sum(s["sessions"] for s in after.values()),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    if args.address is None:
+        stop_stack()
+    ok = not soak.unexpected and report["sessions_left"] == 0
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
