@@ -82,15 +82,27 @@ class Coordinator:
         self.slots = threading.BoundedSemaphore(limits.max_concurrent_requests)
 
     @contextmanager
-    def slot(self):
-        """One of max_concurrent_requests; past them RESOURCE_EXHAUSTED at once, not a queue."""
+    def slot(self, context=None):
+        """One of max_concurrent_requests; past them RESOURCE_EXHAUSTED at once, not a queue.
+        A call that ends early (cancelled, its client gone) frees its slot at once, before
+        its last round finishes: the client's next request must find it free."""
         if not self.slots.acquire(blocking=False):
             limit = self.limits.max_concurrent_requests
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is serving its limit of {limit} requests; retry later")
+        held, lock = [True], threading.Lock()
+
+        def release() -> None:
+            with lock:
+                if held[0]:
+                    held[0] = False
+                    self.slots.release()
+
+        if context is not None and hasattr(context, "add_callback"):
+            context.add_callback(release)
         try:
             yield
         finally:
-            self.slots.release()
+            release()
 
     def prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
         if request.prompt and request.prompt_token_ids:
@@ -210,7 +222,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @reports_errors
     def Generate(self, request, context):
         text, tokens, last = [], [], None
-        with self.coordinator.slot():
+        with self.coordinator.slot(context):
             for last in self.coordinator.generate(request, *_bounds(context)):
                 text.append(last.text)
                 tokens.extend(last.token_ids)
@@ -220,7 +232,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @reports_errors
     def GenerateStream(self, request, context):
-        with self.coordinator.slot():
+        with self.coordinator.slot(context):
             yield from self.coordinator.generate(request, *_bounds(context))
 
 

@@ -73,8 +73,7 @@ class Soak:
             try:
                 self._one(client, rng, kind)
             except grpc.RpcError as err:
-                with self.lock:
-                    self.unexpected.append(f"{kind}: {err.code().name}: {err.details()}")
+                self._record(f"{kind}: {err.code().name}: {err.details()}")
         client.close()
 
     def _one(self, client: CoordinatorClient, rng: random.Random, kind: str) -> None:
@@ -113,6 +112,8 @@ class Soak:
     def _record(self, problem: str) -> None:
         with self.lock:
             self.unexpected.append(problem)
+            if len(self.unexpected) <= 5:
+                print(f"unexpected: {problem}", flush=True)
 
 
 def main() -> None:

@@ -203,6 +203,23 @@ def test_overload_is_refused_at_once_not_queued(tiny_dirs):
         client.close()
 
 
+def test_a_cancelled_stream_frees_its_slot_at_once(tiny_dirs):
+    """A client that cancels a stream and asks again at once finds its slot free, though the
+    cancelled request's round (slow here: a 300 ms link) is still finishing."""
+    from tests.conftest import local_stack
+
+    link = {"rtt_ms": 300}
+    config = tiny_config(tiny_dirs, num_draft_tokens=3, network={"verifier": link}) | {"limits": {"max_concurrent_requests": 1}}
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        stream = client.stream(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=40))
+        next(stream)
+        stream.cancel()
+        time.sleep(0.05)
+        assert len(client.generate(generate_request(prompt_token_ids=[1, 9], max_new_tokens=2)).token_ids) == 2
+        client.close()
+
+
 def test_a_restarting_verifier_is_waited_for_and_the_session_reopened(tiny_dirs, tiny_verifier):
     """The verifier goes away mid-stream and is back on its port 0.3 s later, without the
     session: the coordinator retries with back-off, re-opens with the full context (re-prefill),
