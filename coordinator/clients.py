@@ -11,7 +11,13 @@ from typing import Callable
 import grpc
 
 from specdec.core.tree import TreeShape
-from specdec.serving.rpc import CallCost, InProcessClient, MeasuredClient, ServiceError
+from specdec.serving.rpc import (
+    MAX_MESSAGE_BYTES,
+    CallCost,
+    InProcessClient,
+    MeasuredClient,
+    ServiceError,
+)
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE, shape_to_proto
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -49,16 +55,19 @@ class ServiceCall:
 class ServicePair:
     def __init__(
         self, drafter: str | InProcessClient, verifier_address: str, timeout_s: float = 120.0, proxies: dict | None = None,
-        resolve: Callable[[str], str] | None = None,
+        resolve: Callable[[str], str] | None = None, service_token: str = "", max_message_bytes: int = MAX_MESSAGE_BYTES,
     ):
         """`drafter`: the drafter's address, or a drafter running in this process. `proxies`:
         emulated links in front of the services by name ("drafter", "verifier"), closed with the
         pair. `resolve(name)`: where that service listens now (Ray Serve replicas bind a new port
-        when restarted), asked again whenever it cannot be reached."""
+        when restarted), asked again whenever it cannot be reached. `service_token`: what the
+        services ask of their callers."""
         self.proxies = proxies or {}
         self.resolve = resolve
-        self.drafter = drafter if isinstance(drafter, InProcessClient) else MeasuredClient(drafter, DRAFTER_SERVICE)
-        self.verifier = MeasuredClient(verifier_address, VERIFIER_SERVICE)
+        if not isinstance(drafter, InProcessClient):
+            drafter = MeasuredClient(drafter, DRAFTER_SERVICE, service_token, max_message_bytes)
+        self.drafter = drafter
+        self.verifier = MeasuredClient(verifier_address, VERIFIER_SERVICE, service_token, max_message_bytes)
         self._resolving = threading.Lock()
         self._closed = threading.Event()
         self.timeout_s = timeout_s

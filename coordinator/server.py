@@ -21,7 +21,7 @@ from specdec.core.models import load_tokenizer
 from specdec.core.prompts import chat_ids
 from specdec.core.sampling import validate_sampling
 from specdec.core.tree import TreeShape
-from specdec.serving.config import CoordinatorConfig, LimitsConfig
+from specdec.serving.config import CoordinatorConfig, LimitsConfig, TlsConfig
 from specdec.serving.latency_proxy import LatencyProxy
 from specdec.serving.rpc import (
     BearerTokenAuth,
@@ -242,7 +242,7 @@ def _bounds(context) -> tuple[float | None, Callable[[], bool]]:
     return (None if left is None else time.monotonic() + left), context.is_active
 
 
-def serve(coordinator: Coordinator, host: str, port: int):
+def serve(coordinator: Coordinator, host: str, port: int, tls: TlsConfig = TlsConfig()):
     """Starts the client API with the standard health service; returns (server, bound port).
     Each request holds a worker thread; a few more threads keep health checks and reflection
     answering when the requests are at their limit."""
@@ -255,6 +255,8 @@ def serve(coordinator: Coordinator, host: str, port: int):
         max_workers=coordinator.limits.max_concurrent_requests + 4,
         health_service=COORDINATOR_SERVICE,
         interceptors=(BearerTokenAuth(COORDINATOR_SERVICE, tokens),) if tokens else (),
+        tls=tls.read() if tls.enabled else None,
+        max_message_bytes=int(coordinator.limits.max_request_mib * 2**20),
     )
     return server, bound
 
@@ -273,11 +275,14 @@ def start(config, drafter_address: str | None, verifier_address: str, on_finishe
     else:
         drafter = _through_link("drafter", drafter_address, network.drafter, proxies)
     verifier_address = _through_link("verifier", verifier_address, network.verifier, proxies)
-    pair = ServicePair(drafter, verifier_address, config.coordinator.request_timeout_s, proxies, resolve)
+    pair = ServicePair(
+        drafter, verifier_address, config.coordinator.request_timeout_s, proxies, resolve, config.coordinator.auth.service_token,
+        int(config.limits.max_message_mib * 2**20),
+    )
     coordinator = Coordinator(config.coordinator, config.limits, pair, config.verifier.model.source, on_finished)
     if config.resolved_steering_checkpoint() and coordinator.steering_problem:
         log.warning("requests will not be steered: %s", coordinator.steering_problem)
-    server, port = serve(coordinator, config.coordinator.host, config.coordinator.port)
+    server, port = serve(coordinator, config.coordinator.host, config.coordinator.port, config.coordinator.tls)
 
     def verifier_reachable(ok: bool) -> None:
         for service in ("", COORDINATOR_SERVICE):

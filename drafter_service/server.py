@@ -11,7 +11,13 @@ from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
 from specdec.serving.config import LimitsConfig
-from specdec.serving.rpc import InProcessClient, invalid, reports_errors, start_server
+from specdec.serving.rpc import (
+    BearerTokenAuth,
+    InProcessClient,
+    invalid,
+    reports_errors,
+    start_server,
+)
 from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
     DRAFTER_SERVICE,
@@ -112,14 +118,18 @@ def in_process(config, limits: LimitsConfig) -> InProcessClient:
     return InProcessClient(_servicer(config, None, limits), config.model.source)
 
 
-def start(config, steering_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig()) -> tuple[grpc.Server, int]:
+def start(
+    config, steering_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(), service_token: str = ""
+) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering checkpoint) and starts serving it;
-    returns (grpc server, bound port)."""
+    returns (grpc server, bound port). With `service_token`, callers must show it."""
     servicer = _servicer(config, steering_checkpoint, limits)
     server, bound, _ = start_server(
         lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
         config.host,
         config.port,
         health_service=DRAFTER_SERVICE,
+        interceptors=(BearerTokenAuth(DRAFTER_SERVICE, {service_token}),) if service_token else (),
+        max_message_bytes=int(limits.max_message_mib * 2**20),
     )
     return server, bound

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from specdec.serving.cli_args import (
     add_policy_arguments,
@@ -51,10 +52,10 @@ def cmd_serve(args) -> int:
     print(f"OpenAI-compatible API on http://localhost:{args.http_port}/v1", flush=True)
     if args.demo:
         from specdec.serving.app import build_config
-        from specdec.serving.client import server_token
+        from specdec.serving.client import server_ca, server_token
 
-        token = server_token(build_config(_app_args(args)))
-        _stream_to_terminal(address, args.demo, token, max_new_tokens=128, temperature=0.0, use_chat_template=True)
+        config = build_config(_app_args(args))
+        _stream_to_terminal(address, args.demo, server_token(config), server_ca(config), max_new_tokens=128, temperature=0.0, use_chat_template=True)
     print("Ctrl-C to stop.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # e.g. a container stop: shut Ray down too
@@ -67,10 +68,10 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _stream_to_terminal(address: str, prompt: str, token: str | None = None, **fields) -> None:
+def _stream_to_terminal(address: str, prompt: str, token: str | None = None, root_certificates: bytes | None = None, **fields) -> None:
     from specdec.serving.client import CoordinatorClient, format_stats, generate_request
 
-    client = CoordinatorClient(address, token)
+    client = CoordinatorClient(address, token, root_certificates)
     last = None
     for last in client.stream(generate_request(prompt, **fields)):
         sys.stdout.write(last.text)
@@ -95,6 +96,7 @@ def cmd_generate(args) -> int:
             args.address,
             args.prompt,
             args.token,
+            _read_ca(args.tls_ca),
             use_chat_template=not args.raw,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -112,6 +114,13 @@ def cmd_generate(args) -> int:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _read_ca(path: str | None) -> bytes | None:
+    try:
+        return Path(path).read_bytes() if path else None
+    except OSError as err:
+        raise SystemExit(f"error: --tls-ca {path}: {err.strerror}") from None
 
 
 def cmd_bench(args) -> int:
@@ -155,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt")
     gen.add_argument("--address", default="localhost:50051")
     gen.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN"), help="bearer token for a server with coordinator.auth (default: $SPECDEC_TOKEN)")
+    gen.add_argument("--tls-ca", help="PEM file the server's TLS certificate is checked against (a server with coordinator.tls)")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float)

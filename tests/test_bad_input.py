@@ -347,3 +347,10 @@ def test_the_limits_section_bounds_every_service(tiny_dirs):
         finally:
             for client in (coordinator, verifier, drafter):
                 client.close()
+
+
+def test_an_oversized_request_message_is_refused_by_size(clients):
+    """limits.max_request_mib (4) bounds what a client may send, before anything is parsed."""
+    coordinator = clients[0]
+    expect_error(lambda: coordinator.generate(generate_request("w1 " * 2_000_000)), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
+    still_serving(coordinator)

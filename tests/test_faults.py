@@ -324,3 +324,63 @@ def test_kv_memory_is_bounded_per_session_and_in_total(tiny_dirs, tiny_verifier)
         store.put(name, size)
         store.fit(name)
     assert store.pop("a") is None and store.pop("b") == "xxxx" and store.pop("c") == "xxxxxx"  # 14 > 10: the oldest went
+
+
+def test_services_take_calls_only_with_the_service_token(tiny_dirs, tiny_verifier):
+    from specdec.serving.rpc import MeasuredClient
+    from specdec.serving.wire import VERIFIER_SERVICE
+    from specdec.v1 import common_pb2
+    from tests.conftest import local_stack
+
+    config = tiny_config(tiny_dirs)
+    config["coordinator"]["auth"] = {"service_token": "between-us"}
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        assert list(client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=8)).token_ids) == hf_greedy(tiny_verifier, [1, 4, 5], 8)
+        client.close()
+        for token, allowed in (("", False), ("guess", False), ("between-us", True)):
+            verifier = MeasuredClient(stack["verifier"], VERIFIER_SERVICE, token)
+            if allowed:
+                assert verifier.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo)[0].vocab_size > 0
+            else:
+                with pytest.raises(grpc.RpcError) as refused:
+                    verifier.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert verifier.reachable()  # health checks stay open
+            verifier.close()
+
+
+def test_tls_on_the_client_api(tiny_dirs, tmp_path):
+    """With coordinator.tls the client API speaks TLS only: a client that trusts the
+    certificate is served, a plaintext one is not."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    config = tiny_config(tiny_dirs)
+    config["coordinator"]["tls"] = {"cert_file": str(tmp_path / "cert.pem"), "key_file": str(tmp_path / "key.pem")}
+    from tests.conftest import local_stack
+
+    with local_stack(config) as stack:
+        trusted = CoordinatorClient(stack["coordinator"], root_certificates=(tmp_path / "cert.pem").read_bytes())
+        assert len(trusted.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=4)).token_ids) == 4
+        trusted.close()
+        plain = CoordinatorClient(stack["coordinator"])
+        with pytest.raises(grpc.RpcError) as refused:
+            plain.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=4), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        plain.close()

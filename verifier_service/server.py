@@ -8,7 +8,7 @@ import grpc
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.serving.config import LimitsConfig
-from specdec.serving.rpc import invalid, reports_errors, start_server
+from specdec.serving.rpc import BearerTokenAuth, invalid, reports_errors, start_server
 from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
     VERIFIER_SERVICE,
@@ -65,10 +65,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def start(
-    config, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig()
+    config, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(),
+    service_token: str = "",
 ) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering or feature head checkpoint) and starts
-    serving it; returns (grpc server, bound port)."""
+    serving it; returns (grpc server, bound port). With `service_token`, callers must show it."""
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
@@ -80,5 +81,7 @@ def start(
         config.host,
         config.port,
         health_service=VERIFIER_SERVICE,
+        interceptors=(BearerTokenAuth(VERIFIER_SERVICE, {service_token}),) if service_token else (),
+        max_message_bytes=int(limits.max_message_mib * 2**20),
     )
     return server, bound

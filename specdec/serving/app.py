@@ -6,6 +6,8 @@ the file), in the schema of specdec.serving.config.
 """
 from __future__ import annotations
 
+import secrets
+
 from ray.serve import Application
 
 from coordinator.deployment import CoordinatorDeployment
@@ -20,8 +22,16 @@ def build_config(args: dict | None) -> Config:
     return config_from_dict(args, base=base)
 
 
+def with_service_token(config: Config) -> Config:
+    """The app's services take calls only from its coordinator: a random shared token, unless
+    the config names one (all three deployments get the same config)."""
+    if not config.coordinator.auth.service_token:
+        config.coordinator.auth.service_token = secrets.token_urlsafe(32)
+    return config
+
+
 def build_app(args: dict | None = None) -> Application:
-    config = build_config(args)
+    config = with_service_token(build_config(args))
     as_dict = config_to_dict(config)
     drafter = None if config.coordinator.drafter_in_process else DrafterDeployment.options(ray_actor_options=config.drafter.ray_actor_options).bind(as_dict)
     verifier = VerifierDeployment.options(ray_actor_options=config.verifier.ray_actor_options).bind(as_dict)

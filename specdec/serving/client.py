@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import grpc
-
+from specdec.serving.rpc import open_channel
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -19,10 +18,17 @@ def server_token(config) -> str | None:
     return min(config.coordinator.auth.accepted(), default=None)
 
 
+def server_ca(config) -> bytes | None:
+    """The root certificates the configured server's TLS checks against (None = plaintext)."""
+    tls = config.coordinator.tls
+    return tls.trusted() if tls.enabled else None
+
+
 class CoordinatorClient:
-    def __init__(self, address: str, token: str | None = None):
-        """`token`: a bearer token, for a server with coordinator.auth set."""
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None):
+        """`token`: a bearer token, for a server with coordinator.auth set; `root_certificates`:
+        PEM the server's TLS certificate is checked against (None = plaintext)."""
+        self.channel = open_channel(address, root_certificates)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 

@@ -71,6 +71,10 @@ class LimitsConfig:
     session_ttl_s: float = 600.0  # a session idle this long is dropped
     max_kv_mib: float = 4096.0  # KV cache memory of all sessions of a service; past it the least recently used are evicted
     max_session_kv_mib: float = 1024.0  # one session's KV cache; a call growing it past this gets RESOURCE_EXHAUSTED
+    max_request_mib: float = 4.0  # a client's request message (a prompt within the context is far smaller)
+    # A message between the services; the largest are a re-opened session's verifier features
+    # (context x hidden size x 2 bytes: 9 MiB for the default pair at its full 8k context).
+    max_message_mib: float = 64.0
 
 
 @dataclass
@@ -101,6 +105,9 @@ class AuthConfig:
 
     tokens: list[str] = field(default_factory=list)
     tokens_file: str = ""  # one token per line, read at start (blank lines and # comments skipped)
+    # What the coordinator shows the drafter and the verifier, which refuse calls without it.
+    # "" = none for plain servers; under Ray Serve a random one per deployment of the app.
+    service_token: str = ""
 
     def accepted(self) -> set[str]:
         """Every accepted token; raises ValueError naming a file that cannot be read or is empty."""
@@ -115,6 +122,34 @@ class AuthConfig:
                 raise ValueError(f"coordinator.auth.tokens_file {self.tokens_file} holds no token")
             tokens |= from_file
         return tokens
+
+
+@dataclass
+class TlsConfig:
+    """TLS on the client gRPC API: a PEM certificate and its key; none = plaintext."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""  # what this project's own clients (start-up health check, demo) trust; "" = cert_file
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    def read(self) -> tuple[bytes, bytes]:
+        """(key, certificate) bytes; raises ValueError naming a file that cannot be read."""
+        return _read("coordinator.tls.key_file", self.key_file), _read("coordinator.tls.cert_file", self.cert_file)
+
+    def trusted(self) -> bytes:
+        """The root certificates a client of this server checks it against."""
+        return _read("coordinator.tls.ca_file", self.ca_file or self.cert_file)
+
+
+def _read(key: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise ValueError(f"{key}: cannot read {path}: {err.strerror}") from None
 
 
 @dataclass
@@ -138,6 +173,7 @@ class CoordinatorConfig:
     steering: bool = True  # SD²: requests steer the drafter by default whenever the pair has a steering checkpoint
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
 
 
@@ -172,7 +208,7 @@ class Config:
     def service_args(self, service: str) -> dict:
         """What a service takes besides its section: `start(section, **config.service_args(name))`,
         the limits and the checkpoints it loads besides its model."""
-        args = {"limits": self.limits, "steering_checkpoint": self.resolved_steering_checkpoint()}
+        args = {"limits": self.limits, "steering_checkpoint": self.resolved_steering_checkpoint(), "service_token": self.coordinator.auth.service_token}
         if service == "verifier":
             args["feature_checkpoint"] = self.resolved_feature_checkpoint()
         return args
@@ -222,7 +258,10 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        try:
+        tls = self.coordinator.tls
+        if bool(tls.cert_file) != bool(tls.key_file):
+            raise ConfigError("coordinator.tls needs both cert_file and key_file (or neither)")
+        try:  # the certificate files are read where the coordinator starts (other nodes may lack them)
             self.coordinator.auth.accepted()
         except ValueError as err:
             raise ConfigError(str(err)) from None

@@ -30,9 +30,13 @@ def start_stack(
             ray.init(address=ray_address)
         else:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    from specdec.serving.app import build_config
+
+    tls = build_config(app_args).coordinator.tls  # the HTTP API gets the gRPC API's certificate
+    https = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls.enabled else {}
     serve.start(
         proxy_location="HeadOnly" if proxies else "Disabled",
-        http_options={"host": "0.0.0.0", "port": http_port},
+        http_options={"host": "0.0.0.0", "port": http_port, **https},
         grpc_options={"port": grpc_proxy_port, "grpc_servicer_functions": [COORDINATOR_SERVICER], "enable_reflection": True},
     )
     return deploy(app_args, port, timeout_s)
@@ -46,12 +50,13 @@ def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_
     with /<name>."""
     from ray import serve
 
-    from specdec.serving.app import build_app
+    from specdec.serving.app import build_app, build_config
 
+    tls = build_config(app_args).coordinator.tls
     route = "/" if name == APP_NAME else f"/{name}"
     serve.run(build_app(app_args), name=name, route_prefix=route, blocking=False)
     address = f"localhost:{port}"
-    wait_until_serving(address, timeout_s)
+    wait_until_serving(address, timeout_s, root_certificates=tls.trusted() if tls.enabled else None)
     return address
 
 

@@ -21,11 +21,12 @@ from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+MAX_MESSAGE_BYTES = 64 * 2**20  # limits.max_message_mib's default
+
+
+def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC options bounding each message, both ways."""
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
 
 class ServiceError(Exception):
@@ -95,16 +96,22 @@ def start_server(
     max_workers: int = 16,
     health_service: str | None = None,
     interceptors: tuple[grpc.ServerInterceptor, ...] = (),
+    tls: tuple[bytes, bytes] | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Starts a gRPC server with the standard health service and server reflection (so grpcurl
-    works without the protos); returns it, the bound port and the health servicer."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS, interceptors=interceptors)
+    works without the protos); returns it, the bound port and the health servicer. `tls`:
+    (private key, certificate chain), PEM; None = plaintext."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options(max_message_bytes), interceptors=interceptors)
     add_servicer(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [health_service] if health_service else []
     reflection.enable_server_reflection(names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls:
+        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([tls]))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind a gRPC server to {host}:{port}")
     server.start()
@@ -186,9 +193,16 @@ def serve_until_terminated(server: grpc.Server) -> None:
     stop_gracefully(server).wait()
 
 
-def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:
+def open_channel(address: str, root_certificates: bytes | None = None) -> grpc.Channel:
+    """A channel to `address`: TLS checked against `root_certificates` when given, else plaintext."""
+    if root_certificates is None:
+        return grpc.insecure_channel(address, options=message_options())
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=message_options())
+
+
+def wait_until_serving(address: str, timeout_s: float, service: str = "", root_certificates: bytes | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, root_certificates) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -218,12 +232,15 @@ class CallCost:
 
 
 class MeasuredClient:
-    """Unary calls on raw bytes, so encode, wire and decode are timed apart."""
+    """Unary calls on raw bytes, so encode, wire and decode are timed apart. `token`: the
+    bearer token the service asks of its callers ("" = none)."""
 
-    def __init__(self, address: str, service: str):
+    def __init__(self, address: str, service: str, token: str = "", max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._options = message_options(max_message_bytes)
+        self.channel = grpc.insecure_channel(address, options=self._options)
         self._service = service
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._methods: dict[str, Callable] = {}
 
     def _stub(self, method: str) -> Callable:
@@ -235,14 +252,14 @@ class MeasuredClient:
 
     def call_async(self, method: str, request, timeout: float = 10.0) -> grpc.Future:
         """Fire and forget, for clean-up calls whose answer nobody waits for."""
-        return self._stub(method).future(request.SerializeToString(), timeout=timeout)
+        return self._stub(method).future(request.SerializeToString(), timeout=timeout, metadata=self._metadata)
 
     def call(self, method: str, request, response_type, timeout: float | None = 120.0):
         stub = self._stub(method)
         t0 = time.perf_counter()
         payload = request.SerializeToString()
         t1 = time.perf_counter()
-        reply = stub(payload, timeout=timeout)
+        reply = stub(payload, timeout=timeout, metadata=self._metadata)
         t2 = time.perf_counter()
         response = response_type.FromString(reply)
         t3 = time.perf_counter()
@@ -260,7 +277,7 @@ class MeasuredClient:
         if address == self.address:
             return
         old = self.channel
-        self.address, self.channel, self._methods = address, grpc.insecure_channel(address, options=CHANNEL_OPTIONS), {}
+        self.address, self.channel, self._methods = address, grpc.insecure_channel(address, options=self._options), {}
         old.close()
 
     def reachable(self, timeout_s: float = 2.0) -> bool:
