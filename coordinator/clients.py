@@ -170,6 +170,7 @@ class PairSession:
         self._drafter_round = 0
         self._verifier_round = 0
         self._verifier_open = False
+        self._closed = False
 
     def draft(
         self, num_tokens: int, shape: TreeShape, assumed: list[int] = (), context_length: int | None = None,
@@ -264,14 +265,21 @@ class PairSession:
         self._drafter_features = min(self._drafter_features, start)
 
     def close(self) -> None:
-        """Frees the session on both sides without waiting for the answers."""
-        end = common_pb2.EndSessionRequest(session_id=self.session_id)
+        """Frees the session on both sides without waiting for the answers; no call opens it
+        again afterwards. Called from the request's end and from its RPC's end (a cancelled
+        stream), whichever comes first."""
+        if self._closed:
+            return
+        self._closed = True
         for client in (self.pair.drafter, self.pair.verifier):
-            future = client.call_async("EndSession", end)
-            if future is not None:
-                with _ending_lock:
-                    _ending.add(future)
-                future.add_done_callback(_ended)
+            self._end(client)
+
+    def _end(self, client) -> None:
+        future = client.call_async("EndSession", common_pb2.EndSessionRequest(session_id=self.session_id))
+        if future is not None:
+            with _ending_lock:
+                _ending.add(future)
+            future.add_done_callback(_ended)
 
     def _timeout(self) -> float:
         """What a call may take: the pair's limit, within what is left of the request's deadline."""
@@ -288,8 +296,12 @@ class PairSession:
         within the request's deadline): the same round again, which no service commits twice."""
         request, backoff_s, retries = build(reopen), self.RETRY_BACKOFF_S, 0
         while True:
+            if self._closed:
+                raise ServiceError(grpc.StatusCode.CANCELLED, "the request ended")
             try:
                 reply, cost = client.call(method, request, response_type, timeout=self._timeout())
+                if self._closed:  # closed meanwhile: this call may have (re)opened the session after EndSession
+                    self._end(client)
                 return reply, ServiceCall(reply.compute_ms, cost, opened=reopen)
             except grpc.RpcError as err:
                 if err.code() in _REOPEN and not reopen:

@@ -46,7 +46,7 @@ class ApiError(Exception):
     @classmethod
     def from_service(cls, err: ServiceError) -> ApiError:
         status = HTTP_STATUS.get(err.code, 500)
-        kind = "invalid_request_error" if status < 500 and status != 429 else "server_error" if status >= 500 else "rate_limit_error"
+        kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
         return cls(status, err.message, kind)
 
     def body(self) -> dict:

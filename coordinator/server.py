@@ -169,11 +169,14 @@ class Coordinator:
         return Settings(max_new, budget, shape, adaptive, overlap, steering and (adaptive or budget > 0))
 
     def generate(
-        self, request: coordinator_pb2.GenerateRequest, deadline: float | None = None, alive: Callable[[], bool] = lambda: True
+        self, request: coordinator_pb2.GenerateRequest, deadline: float | None = None, alive: Callable[[], bool] = lambda: True,
+        on_end: Callable[[Callable[[], None]], object] | None = None,
     ) -> Iterator[coordinator_pb2.GenerateResponse]:
         """One response per round with the new tokens and text; the last has finish_reason and
         stats. Every internal call gets what is left before `deadline` (time.monotonic()); the
-        rounds stop once `alive()` is false (the client went away), and both sides are freed."""
+        rounds stop once `alive()` is false (the client went away), and both sides are freed.
+        `on_end(fn)` has fn called when the call ends (gRPC's add_callback): a cancelled stream's
+        generator may never be resumed, so its sessions are freed from there too."""
         settings = self.check_request(request)
         budget, adaptive, overlap = settings.budget, settings.adaptive, settings.overlap
         prompt = self.prompt_ids(request)
@@ -186,6 +189,8 @@ class Coordinator:
         )
         features = self.pair.features and (adaptive or budget > 0)
         session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, settings.steering, features, deadline)
+        if on_end is not None:
+            on_end(session.close)
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
         meter = Meter()
         try:
@@ -236,10 +241,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             yield from self.coordinator.generate(request, *_bounds(context))
 
 
-def _bounds(context) -> tuple[float | None, Callable[[], bool]]:
-    """The call's deadline (time.monotonic(); None = none) and whether its client is still there."""
+def _bounds(context) -> tuple[float | None, Callable[[], bool], Callable | None]:
+    """The call's deadline (time.monotonic(); None = none), whether its client is still there,
+    and how to be told when it ends."""
     left = context.time_remaining()
-    return (None if left is None else time.monotonic() + left), context.is_active
+    return (None if left is None else time.monotonic() + left), context.is_active, getattr(context, "add_callback", None)
 
 
 def serve(coordinator: Coordinator, host: str, port: int, tls: TlsConfig = TlsConfig()):

@@ -148,8 +148,10 @@ def main() -> None:
     while any(t.is_alive() for t in threads):
         time.sleep(30)
         print(f"{(time.monotonic() - started) / 60:.1f} min: {dict(soak.outcomes)}, unexpected {len(soak.unexpected)}", flush=True)
-    time.sleep(2)  # EndSession calls are fire and forget
-    after = service_state()
+    after, settled = service_state(), time.monotonic() + 30  # EndSession calls are fire and forget
+    while any(s["sessions"] for s in after.values()) and time.monotonic() < settled:
+        time.sleep(1)
+        after = service_state()
     report = {
         "command": "python scripts/soak.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "address"),
         "minutes": args.minutes,
