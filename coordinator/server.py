@@ -263,6 +263,7 @@ def serve(coordinator: Coordinator, host: str, port: int, tls: TlsConfig = TlsCo
         interceptors=(BearerTokenAuth(COORDINATOR_SERVICE, tokens),) if tokens else (),
         tls=tls.read() if tls.enabled else None,
         max_message_bytes=int(coordinator.limits.max_request_mib * 2**20),
+        max_calls=2 * coordinator.limits.max_concurrent_requests + 4,  # refused ones are answered by the slots, not queued
     )
     return server, bound
 

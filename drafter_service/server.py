@@ -12,6 +12,7 @@ from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
 from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import (
+    SERVICE_CALLS_PER_REQUEST,
     BearerTokenAuth,
     InProcessClient,
     invalid,
@@ -131,5 +132,6 @@ def start(
         health_service=DRAFTER_SERVICE,
         interceptors=(BearerTokenAuth(DRAFTER_SERVICE, {service_token}),) if service_token else (),
         max_message_bytes=int(limits.max_message_mib * 2**20),
+        max_calls=SERVICE_CALLS_PER_REQUEST * limits.max_concurrent_requests,
     )
     return server, bound

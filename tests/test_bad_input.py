@@ -354,3 +354,23 @@ def test_an_oversized_request_message_is_refused_by_size(clients):
     coordinator = clients[0]
     expect_error(lambda: coordinator.generate(generate_request("w1 " * 2_000_000)), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
     still_serving(coordinator)
+
+
+def test_a_flooded_service_refuses_calls_instead_of_queueing_them(tiny_dirs):
+    """A service takes at most SERVICE_CALLS_PER_REQUEST x limits.max_concurrent_requests calls
+    at once; more get RESOURCE_EXHAUSTED at once, and it goes on serving."""
+    from specdec.serving.rpc import SERVICE_CALLS_PER_REQUEST
+    from tests.conftest import local_stack, tiny_config
+
+    config = tiny_config(tiny_dirs, fused_block_tokens=8) | {"limits": {"max_concurrent_requests": 1}}
+    with local_stack(config) as stack:
+        verifier = MeasuredClient(stack["verifier"], VERIFIER_SERVICE)
+        flood = [
+            verifier.call_async("Verify", verifier_pb2.VerifyRequest(session_id=f"f{i}", round=1, start=_start(list(range(1, 12))), fused_tokens=64))
+            for i in range(8 * SERVICE_CALLS_PER_REQUEST)
+        ]
+        codes = [f.exception().code() if f.exception() else grpc.StatusCode.OK for f in flood]
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes, codes
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert _verify(verifier, session_id="after", round=1, start=_start(), fused_tokens=2)[0].token_ids
+        verifier.close()

@@ -8,7 +8,13 @@ import grpc
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.serving.config import LimitsConfig
-from specdec.serving.rpc import BearerTokenAuth, invalid, reports_errors, start_server
+from specdec.serving.rpc import (
+    SERVICE_CALLS_PER_REQUEST,
+    BearerTokenAuth,
+    invalid,
+    reports_errors,
+    start_server,
+)
 from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
     VERIFIER_SERVICE,
@@ -83,5 +89,6 @@ def start(
         health_service=VERIFIER_SERVICE,
         interceptors=(BearerTokenAuth(VERIFIER_SERVICE, {service_token}),) if service_token else (),
         max_message_bytes=int(limits.max_message_mib * 2**20),
+        max_calls=SERVICE_CALLS_PER_REQUEST * limits.max_concurrent_requests,
     )
     return server, bound

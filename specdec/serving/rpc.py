@@ -22,6 +22,9 @@ from grpc_reflection.v1alpha import reflection
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 2**20  # limits.max_message_mib's default
+# A request keeps at most a few calls in flight at a service (a round's call, an overlapped
+# draft, EndSession, a health check): the services queue no more than this many per request.
+SERVICE_CALLS_PER_REQUEST = 4
 
 
 def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -98,11 +101,16 @@ def start_server(
     interceptors: tuple[grpc.ServerInterceptor, ...] = (),
     tls: tuple[bytes, bytes] | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_calls: int | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Starts a gRPC server with the standard health service and server reflection (so grpcurl
     works without the protos); returns it, the bound port and the health servicer. `tls`:
-    (private key, certificate chain), PEM; None = plaintext."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options(max_message_bytes), interceptors=interceptors)
+    (private key, certificate chain), PEM; None = plaintext. Past `max_calls` calls at once
+    (running or queued for a worker thread) gRPC answers RESOURCE_EXHAUSTED instead of queueing."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options(max_message_bytes), interceptors=interceptors,
+        maximum_concurrent_rpcs=max_calls,
+    )
     add_servicer(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
