@@ -87,7 +87,7 @@ def start(
         config.host,
         config.port,
         health_service=VERIFIER_SERVICE,
-        interceptors=(BearerTokenAuth(VERIFIER_SERVICE, {service_token}),) if service_token else (),
+        interceptors=(BearerTokenAuth(VERIFIER_SERVICE, {service_token}, open_methods=("Info",)),) if service_token else (),
         max_message_bytes=int(limits.max_message_mib * 2**20),
         max_calls=SERVICE_CALLS_PER_REQUEST * limits.max_concurrent_requests,
     )

@@ -139,11 +139,13 @@ def bearer_accepted(header: str, tokens: set[str]) -> bool:
 
 class BearerTokenAuth(grpc.ServerInterceptor):
     """Calls to `service` need the metadata `authorization: Bearer <token>` with an accepted
-    token, else UNAUTHENTICATED; health checks and reflection stay open (probes, grpcurl)."""
+    token, else UNAUTHENTICATED; health checks, reflection and `open_methods` stay open
+    (probes, grpcurl, monitoring)."""
 
-    def __init__(self, service: str, tokens: set[str]):
+    def __init__(self, service: str, tokens: set[str], open_methods: tuple[str, ...] = ()):
         if not tokens:
             raise ValueError("BearerTokenAuth needs at least one token")
+        self.open = {f"/{service}/{method}" for method in open_methods}
         self.prefix = f"/{service}/"
         self.tokens = tokens
 
@@ -153,7 +155,7 @@ class BearerTokenAuth(grpc.ServerInterceptor):
         self.deny = {False: grpc.unary_unary_rpc_method_handler(deny), True: grpc.unary_stream_rpc_method_handler(deny)}
 
     def intercept_service(self, continuation, handler_call_details):
-        if not handler_call_details.method.startswith(self.prefix):
+        if not handler_call_details.method.startswith(self.prefix) or handler_call_details.method in self.open:
             return continuation(handler_call_details)
         if bearer_accepted(dict(handler_call_details.invocation_metadata).get("authorization", ""), self.tokens):
             return continuation(handler_call_details)
