@@ -6,6 +6,7 @@ from ray import serve
 from drafter_service.server import start
 from specdec.serving.config import config_from_dict
 from specdec.serving.replica import GrpcReplica
+from specdec.serving.wire import DRAFTER_SERVICE
 
 
 @serve.deployment(name="Drafter", num_replicas=1)
@@ -13,3 +14,4 @@ class DrafterDeployment(GrpcReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)
         self._serving(*start(parsed.drafter, **parsed.service_args("drafter")))
+        self._export_load(DRAFTER_SERVICE)

@@ -114,13 +114,18 @@ def test_request_metrics_reach_prometheus(ray_stack):
         stub.Generate(coordinator_pb2.GenerateRequest(prompt="Hi", max_new_tokens=16, num_draft_tokens=4), timeout=600)
     port = ray.nodes()[0]["MetricsExportPort"]
     deadline, text = time.time() + 90, ""
-    while time.time() < deadline and not ("ray_specdec_requests" in text and "ray_spec_decode_num_drafts" in text):
+    wanted = ("ray_specdec_requests", "ray_spec_decode_num_drafts", "ray_specdec_replica_sessions")
+    while time.time() < deadline and not all(name in text for name in wanted):
         time.sleep(3)
         with urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()
     names = ("ray_specdec_requests", "ray_specdec_generated_tokens", "ray_specdec_round_time_ms", "ray_specdec_bytes")
     for name in names + ("ray_spec_decode_num_drafts", "ray_spec_decode_num_draft_tokens"):  # vLLM's names too
         assert name in text, name
+    # Each model replica's load, for autoscaling on what Serve's own metrics cannot see.
+    for name in ("ray_specdec_replica_sessions", "ray_specdec_replica_kv_cache_mib", "ray_specdec_replica_resident_mib"):
+        assert name in text, name
+    assert 'deployment="Verifier"' in text and 'deployment="Drafter"' in text
 
 
 @pytest.mark.e2e

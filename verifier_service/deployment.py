@@ -5,6 +5,7 @@ from ray import serve
 
 from specdec.serving.config import config_from_dict
 from specdec.serving.replica import GrpcReplica
+from specdec.serving.wire import VERIFIER_SERVICE
 from verifier_service.server import start
 
 
@@ -13,3 +14,4 @@ class VerifierDeployment(GrpcReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)
         self._serving(*start(parsed.verifier, **parsed.service_args("verifier")))
+        self._export_load(VERIFIER_SERVICE)

@@ -2,10 +2,15 @@
 own port, so the per-round data plane is direct gRPC rather than Serve handles."""
 from __future__ import annotations
 
+import threading
+
 import grpc
 import ray
 
-from specdec.serving.rpc import stop_gracefully
+from specdec.serving.rpc import MeasuredClient, stop_gracefully
+from specdec.v1 import common_pb2
+
+LOAD_EVERY_S = 5.0
 
 
 class GrpcReplica:
@@ -17,6 +22,33 @@ class GrpcReplica:
         """host:port of this replica's gRPC server."""
         return f"{self.host}:{self.port}"
 
+    def _export_load(self, service: str) -> None:
+        """Prometheus gauges of what this model replica holds, read from its own Info every few
+        seconds: sessions (Serve's ongoing-request metric cannot see direct gRPC calls), their
+        KV cache and the process's resident memory. Serve tags them with deployment and replica."""
+        from ray.serve import metrics
+
+        gauges = {
+            "active_sessions": metrics.Gauge("specdec_replica_sessions", "sessions a model replica holds"),
+            "kv_cache_mib": metrics.Gauge("specdec_replica_kv_cache_mib", "KV cache memory of those sessions"),
+            "resident_mib": metrics.Gauge("specdec_replica_resident_mib", "resident memory of the replica process"),
+        }
+        client, stop = MeasuredClient(f"localhost:{self.port}", service), threading.Event()
+
+        def run() -> None:
+            while not stop.wait(LOAD_EVERY_S):
+                try:
+                    info, _ = client.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=5)
+                except grpc.RpcError:
+                    continue
+                for field, gauge in gauges.items():
+                    gauge.set(getattr(info, field))
+
+        threading.Thread(target=run, name="load-gauges", daemon=True).start()
+        self._stop_export = stop
+
     def __del__(self):
+        if hasattr(self, "_stop_export"):
+            self._stop_export.set()
         if hasattr(self, "server"):
             stop_gracefully(self.server)
