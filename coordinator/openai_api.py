@@ -62,6 +62,11 @@ class ForwardedCall:
         self.metadata = metadata
         self.serve_context = serve_context
 
+    @classmethod
+    def of_headers(cls, headers) -> ForwardedCall:
+        """A call over HTTP: its headers are its metadata."""
+        return cls([(k.lower(), v) for k, v in headers.items()])
+
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return self.metadata
 
@@ -224,7 +229,7 @@ def openai_app(frontend: OpenAIFrontend) -> FastAPI:
     app = FastAPI(title="specdec", description="OpenAI-compatible API over distributed speculative decoding")
 
     def answer(headers, body, chat: bool):
-        call = ForwardedCall([(k.lower(), v) for k, v in headers.items()])
+        call = ForwardedCall.of_headers(headers)
         try:
             call.authorize(frontend.tokens)
             reply = frontend.respond(frontend.parse(body, chat), call)
@@ -255,7 +260,7 @@ def openai_app(frontend: OpenAIFrontend) -> FastAPI:
     @app.get("/v1/models")
     def models(request: Request):
         try:
-            ForwardedCall([(k.lower(), v) for k, v in request.headers.items()]).authorize(frontend.tokens)
+            ForwardedCall.of_headers(request.headers).authorize(frontend.tokens)
         except ServiceError as err:
             return _error(ApiError.from_service(err))
         return frontend.models()

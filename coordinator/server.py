@@ -89,13 +89,11 @@ class Coordinator:
         if not self.slots.acquire(blocking=False):
             limit = self.limits.max_concurrent_requests
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is serving its limit of {limit} requests; retry later")
-        held, lock = [True], threading.Lock()
+        once = threading.Lock()  # whoever takes it first gives the slot back
 
         def release() -> None:
-            with lock:
-                if held[0]:
-                    held[0] = False
-                    self.slots.release()
+            if once.acquire(blocking=False):
+                self.slots.release()
 
         if context is not None and hasattr(context, "add_callback"):
             context.add_callback(release)

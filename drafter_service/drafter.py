@@ -14,7 +14,7 @@ import torch
 
 from drafter_service.tree_builders import NextToken, builder_for
 from specdec.core.engine import LlamaEngine, engine_for
-from specdec.core.kv_cache import KVCache, TransformersCache, cache_nbytes
+from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
     check_tree_attention,
@@ -105,10 +105,7 @@ class DrafterEngine:
         self._load_tokenizer(spec)
         self.proposal_top_k = proposal_top_k
         self.limits = limits
-        self.max_draft_tokens = limits.max_draft_tokens
-        self.sessions: SessionStore[DrafterSession] = SessionStore(
-            limits.max_sessions, limits.session_ttl_s, int(limits.max_kv_mib * 2**20), lambda session: cache_nbytes(session.cache)
-        )
+        self.sessions: SessionStore[DrafterSession] = SessionStore.of_caches(limits)
         self._model_lock = threading.Lock()
         self.steering, self.steering_fingerprint = None, ""
         self.feature_size, self.feature_fingerprint = 0, ""  # a drafter that reads verifier features sets them
@@ -200,10 +197,11 @@ class DrafterEngine:
         verifier's, for a drafter that reads them. A call repeating the session's last
         `round_number` (a retry after a lost answer) gets that round's draft again and commits
         nothing twice; 0 = unnumbered."""
-        if not 1 <= num_tokens <= self.max_draft_tokens:
-            raise invalid(f"num_draft_tokens must be in [1, {self.max_draft_tokens}], got {num_tokens}")
+        cap = self.limits.max_draft_tokens
+        if not 1 <= num_tokens <= cap:
+            raise invalid(f"num_draft_tokens must be in [1, {cap}], got {num_tokens}")
         try:
-            shape.validate(self.max_draft_tokens)
+            shape.validate(cap)
         except ValueError as err:
             raise invalid(f"tree_shape: {err}") from None
         self._proposer(shape)  # refuses an n-gram choice this drafter cannot serve
@@ -223,7 +221,7 @@ class DrafterEngine:
                 )
             if committed_length + len(assumed) + 1 + num_tokens > self.max_context:
                 raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, f"drafting would exceed the model's context of {self.max_context}")
-            check_kv_room(committed_length + len(assumed) + 1 + num_tokens, self.kv_bytes_per_token, int(self.limits.max_session_kv_mib * 2**20))
+            check_kv_room(committed_length + len(assumed) + 1 + num_tokens, self.kv_bytes_per_token, self.limits)
             if features is not None:
                 self._take_features(session, *features)
             session.tokens.extend(new_tokens)

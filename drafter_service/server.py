@@ -12,12 +12,10 @@ from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
 from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import (
-    SERVICE_CALLS_PER_REQUEST,
-    BearerTokenAuth,
     InProcessClient,
     invalid,
     reports_errors,
-    start_server,
+    start_model_server,
 )
 from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
@@ -125,13 +123,4 @@ def start(
     """Loads the model (and its half of a steering checkpoint) and starts serving it;
     returns (grpc server, bound port). With `service_token`, callers must show it."""
     servicer = _servicer(config, steering_checkpoint, limits)
-    server, bound, _ = start_server(
-        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-        config.host,
-        config.port,
-        health_service=DRAFTER_SERVICE,
-        interceptors=(BearerTokenAuth(DRAFTER_SERVICE, {service_token}, open_methods=("Info",)),) if service_token else (),
-        max_message_bytes=int(limits.max_message_mib * 2**20),
-        max_calls=SERVICE_CALLS_PER_REQUEST * limits.max_concurrent_requests,
-    )
-    return server, bound
+    return start_model_server(lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), DRAFTER_SERVICE, config.host, config.port, limits, service_token)

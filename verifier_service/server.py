@@ -8,13 +8,7 @@ import grpc
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.serving.config import LimitsConfig
-from specdec.serving.rpc import (
-    SERVICE_CALLS_PER_REQUEST,
-    BearerTokenAuth,
-    invalid,
-    reports_errors,
-    start_server,
-)
+from specdec.serving.rpc import invalid, reports_errors, start_model_server
 from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
     VERIFIER_SERVICE,
@@ -82,13 +76,4 @@ def start(
         VerifierEngine, config.model, steering_checkpoint, feature_checkpoint, limits,
     )
     servicer = VerifierServicer(engine, compute)
-    server, bound, _ = start_server(
-        lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-        config.host,
-        config.port,
-        health_service=VERIFIER_SERVICE,
-        interceptors=(BearerTokenAuth(VERIFIER_SERVICE, {service_token}, open_methods=("Info",)),) if service_token else (),
-        max_message_bytes=int(limits.max_message_mib * 2**20),
-        max_calls=SERVICE_CALLS_PER_REQUEST * limits.max_concurrent_requests,
-    )
-    return server, bound
+    return start_model_server(lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), VERIFIER_SERVICE, config.host, config.port, limits, service_token)

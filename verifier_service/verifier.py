@@ -12,7 +12,7 @@ import torch
 
 from specdec.core.engine import engine_for
 from specdec.core.feature_head import feature_fingerprint, load_feature_fuse
-from specdec.core.kv_cache import KVCache, TransformersCache, cache_nbytes
+from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
     check_tree_attention,
@@ -79,12 +79,8 @@ class VerifierEngine:
         self.max_context = max_context(self.model)
         self.limits = limits
         self.kv_bytes_per_token = self.engine.kv_bytes_per_token
-        self.max_tree_nodes = limits.max_tree_nodes
-        self.max_fused_tokens = limits.max_fused_tokens
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.sessions: SessionStore[VerifierSession] = SessionStore(
-            limits.max_sessions, limits.session_ttl_s, int(limits.max_kv_mib * 2**20), lambda session: cache_nbytes(session.cache)
-        )
+        self.sessions: SessionStore[VerifierSession] = SessionStore.of_caches(limits)
         self._model_lock = threading.Lock()  # one forward pass at a time on a shared model
         self.steering, self.steering_fingerprint = None, ""
         if steering_checkpoint:
@@ -97,11 +93,12 @@ class VerifierEngine:
 
     def check_sizes(self, num_nodes: int, num_parents: int, fused_tokens: int) -> None:
         """The size limits of a Verify call, checked before any work (a session opened, a tree
-        read): a tree of at most max_tree_nodes, or at most max_fused_tokens verifier tokens."""
-        if max(num_nodes, num_parents) > self.max_tree_nodes:
-            raise invalid(f"tree has {max(num_nodes, num_parents)} nodes; this verifier takes at most {self.max_tree_nodes}")
-        if fused_tokens > self.max_fused_tokens:
-            raise invalid(f"fused_tokens is {fused_tokens}; this verifier generates at most {self.max_fused_tokens} per call")
+        read): a tree of at most limits.max_tree_nodes, or at most limits.max_fused_tokens verifier tokens."""
+        max_nodes, max_fused = self.limits.max_tree_nodes, self.limits.max_fused_tokens
+        if max(num_nodes, num_parents) > max_nodes:
+            raise invalid(f"tree has {max(num_nodes, num_parents)} nodes; this verifier takes at most {max_nodes}")
+        if fused_tokens > max_fused:
+            raise invalid(f"fused_tokens is {fused_tokens}; this verifier generates at most {max_fused} per call")
         if fused_tokens and num_nodes:
             raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
 
@@ -138,7 +135,7 @@ class VerifierEngine:
                     grpc.StatusCode.OUT_OF_RANGE,
                     f"the session would exceed the model's context of {self.max_context} tokens",
                 )
-            check_kv_room(len(session.tokens) + len(tree) + max(fused_tokens, 1), self.kv_bytes_per_token, int(self.limits.max_session_kv_mib * 2**20))
+            check_kv_room(len(session.tokens) + len(tree) + max(fused_tokens, 1), self.kv_bytes_per_token, self.limits)
             start = time.perf_counter()
             features_start = session.num_cached
             hidden = steering or features

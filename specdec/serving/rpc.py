@@ -131,6 +131,22 @@ def start_server(
     return server, bound, health_servicer
 
 
+def start_model_server(add_servicer: Callable[[grpc.Server], None], service: str, host: str, port: int, limits, service_token: str):
+    """A model service's server (drafter, verifier): its calls at once and message sizes within
+    `limits` (LimitsConfig), and, with `service_token`, only callers that show it (health,
+    reflection and Info stay open). Returns (server, bound port)."""
+    server, bound, _ = start_server(
+        add_servicer,
+        host,
+        port,
+        health_service=service,
+        interceptors=(BearerTokenAuth(service, {service_token}, open_methods=("Info",)),) if service_token else (),
+        max_message_bytes=int(limits.max_message_mib * 2**20),
+        max_calls=SERVICE_CALLS_PER_REQUEST * limits.max_concurrent_requests,
+    )
+    return server, bound
+
+
 def bearer_accepted(header: str, tokens: set[str]) -> bool:
     """Whether an `authorization` value is `Bearer <t>` with t among `tokens` (compared in constant time)."""
     given = header.removeprefix("Bearer ").encode() if header.startswith("Bearer ") else b""

@@ -9,6 +9,8 @@ from typing import Callable, Generic, TypeVar
 
 import grpc
 
+from specdec.core.kv_cache import cache_nbytes
+from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import ServiceError, invalid
 
 State = TypeVar("State")
@@ -26,6 +28,11 @@ class SessionStore(Generic[State]):
         self._size_of = size_of
         self._items: OrderedDict[str, tuple[State, float]] = OrderedDict()
         self._lock = threading.Lock()
+
+    @classmethod
+    def of_caches(cls, limits: LimitsConfig) -> SessionStore:
+        """A model service's store: sessions whose `cache` counts against limits.max_kv_mib."""
+        return cls(limits.max_sessions, limits.session_ttl_s, int(limits.max_kv_mib * 2**20), lambda session: cache_nbytes(session.cache))
 
     def get(self, session_id: str) -> State:
         with self._lock:
@@ -53,7 +60,7 @@ class SessionStore(Generic[State]):
         if not self._max_bytes:
             return
         with self._lock:
-            total = sum(self._size_of(state) for state, _ in self._items.values())
+            total = self._total()
             for key in [k for k in self._items if k != session_id]:
                 if total <= self._max_bytes:
                     break
@@ -62,7 +69,10 @@ class SessionStore(Generic[State]):
     def nbytes(self) -> int:
         """Memory all sessions hold together."""
         with self._lock:
-            return sum(self._size_of(state) for state, _ in self._items.values())
+            return self._total()
+
+    def _total(self) -> int:
+        return sum(self._size_of(state) for state, _ in self._items.values())
 
     def __len__(self) -> int:
         with self._lock:
@@ -94,8 +104,10 @@ def dropped_on_failure(store: SessionStore, session_id: str):
         raise
 
 
-def check_kv_room(tokens: int, bytes_per_token: int, max_bytes: int) -> None:
-    """Refuses a call that would grow one session's KV cache past max_bytes, before its forward."""
+def check_kv_room(tokens: int, bytes_per_token: int, limits: LimitsConfig) -> None:
+    """Refuses a call that would grow one session's KV cache past limits.max_session_kv_mib,
+    before its forward."""
+    max_bytes = limits.max_session_kv_mib * 2**20
     if tokens * bytes_per_token > max_bytes:
         raise ServiceError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
