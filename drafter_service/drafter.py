@@ -290,7 +290,7 @@ class DrafterEngine:
     def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **masking) -> torch.Tensor:
         session.forward_passes += 1
         logits, _ = self.engine(session.cache, input_ids, num_logits, **masking)
-        return logits[:, : self.vocab_size]
+        return logits[:, : self.vocab_size] if self.draft_vocab is None else logits[:, self.draft_vocab]
 
     def _reuse_cache(self, session: DrafterSession, context: list[int]) -> list[int]:
         """Keeps the cached tokens that still match `context` and the fed nodes along the path
@@ -332,8 +332,9 @@ class DrafterEngine:
     def _pick_next(self, session: DrafterSession, context: list[int], excludes: list[int] = ()) -> int:
         """The drafter's guess of the token after `context`: its likeliest one not in `excludes`."""
         logits = self._feed_context(session, context)[0].clone()
-        logits[list(excludes)] = float("-inf")
-        return int(logits.argmax())
+        vocab = torch.arange(len(logits)) if self.draft_vocab is None else self.draft_vocab
+        logits[torch.isin(vocab, torch.tensor(list(excludes), dtype=torch.long))] = float("-inf")
+        return int(vocab[logits.argmax()])
 
     def _guess(self, session: DrafterSession, tail: list[int]) -> DraftTree:
         """The second stage's guess of what the drafter drafts after `tail`: what it drafted
@@ -377,7 +378,7 @@ class DrafterEngine:
                 positions, mask = node_inputs(fed, list(range(new[0])), new, num_context)
                 out = self._forward(session, [fed.token_ids[n] for n in new], len(new), position_ids=positions, attention_mask=mask)
                 logits_of.update(zip(new, out))
-            return [self._next_token(logits_of[fed_node[n]], session.sampling) for n in nodes]
+            return self._next_tokens(torch.stack([logits_of[fed_node[n]] for n in nodes]), session.sampling)
 
         rescore = None
         if shape.method == "lattice-ngram":
@@ -391,28 +392,20 @@ class DrafterEngine:
         session.fed_expanded = set(fed_node.values()) - {ROOT}
         return tree
 
-    def _next_token(self, logits: torch.Tensor, sampling: Sampling) -> NextToken:
-        """The distribution after a node. A drafter with a reduced vocabulary (`draft_vocab`;
-        -inf logits elsewhere) normalises over that vocabulary alone (8,192 entries instead of
-        49,152 for the built-in drafters): the same distribution."""
-        support = self.draft_vocab
+    def _next_tokens(self, logits: torch.Tensor, sampling: Sampling) -> list[NextToken]:
+        """The distribution after each of several nodes, from their logits (rows) over the
+        draft vocabulary (`draft_vocab`, else the whole vocabulary)."""
         if sampling.greedy:
-            if support is None:
-                return NextToken(torch.softmax(logits.double(), dim=-1))
-            probs = torch.zeros(self.vocab_size, dtype=torch.float64)
-            probs[support] = torch.softmax(logits[support].double(), dim=-1)
-            return NextToken(probs, support=support)
-        proposal, probs = self._proposal(logits, sampling)
-        return NextToken(probs, proposal)
+            return [NextToken(probs, self.draft_vocab) for probs in torch.softmax(logits.double(), dim=-1)]
+        proposals = [self._proposal(row, sampling) for row in logits]
+        return [NextToken(torch.tensor(p.probs, dtype=torch.float64), torch.tensor(p.token_ids), p) for p in proposals]
 
-    def _proposal(self, logits: torch.Tensor, sampling: Sampling) -> tuple[Proposal, torch.Tensor]:
-        """The sparse distribution the next token is drawn from, and that same distribution
-        dense, exactly as the verifier will rebuild it from the float32 wire values."""
-        support = self.draft_vocab
-        probs = warp_probs(logits if support is None else logits[support], sampling)
+    def _proposal(self, logits: torch.Tensor, sampling: Sampling) -> Proposal:
+        """The sparse distribution the next token is drawn from, exactly as the verifier will
+        rebuild it from the float32 wire values."""
+        probs = warp_probs(logits, sampling)
         top = torch.topk(probs, min(self.proposal_top_k, probs.shape[-1]))
         keep = top.values > 0
         values = top.values[keep]
-        tokens = top.indices[keep] if support is None else support[top.indices[keep]]
-        proposal = Proposal(tokens.tolist(), (values / values.sum()).float().tolist())
-        return proposal, proposal.dense(self.vocab_size)
+        tokens = top.indices[keep] if self.draft_vocab is None else self.draft_vocab[top.indices[keep]]
+        return Proposal(tokens.tolist(), (values / values.sum()).float().tolist())

@@ -14,7 +14,12 @@ import torch
 
 from drafter_service.drafter import DrafterEngine, DrafterSession
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.core.engine import quantize_linears
+from specdec.core.engine import (
+    RotaryTable,
+    fused_linear,
+    native_layer,
+    quantize_linears,
+)
 from specdec.core.feature_head import (
     feature_fingerprint,
     load_feature_head,
@@ -46,6 +51,11 @@ class FeatureDrafter(DrafterEngine):
             quantize_linears(self.head)
         elif spec.dtype != "float32":
             raise ValueError(f"a feature head runs float32 or int8 weights, not {spec.dtype}")
+        layer = self.head.layer
+        # int8 on a CPU: the decoder layer runs whole in the engine's native kernel.
+        self.native_layer = native_layer(layer.input_norm, fused_linear([layer.q, layer.k, layer.v]), layer.o, layer.post_norm,
+                                         fused_linear([layer.gate, layer.up]), layer.down, layer.input_norm.eps)
+        self.rotary_rows = RotaryTable(self.head.rotary, self.head.embed.weight)
         self.model = self.head  # its config describes the drafter (ModelInfo)
         self.draft_vocab = self.head.vocab_ids
         self.eos_ids = eos_token_ids(base, self.tokenizer)
@@ -59,7 +69,7 @@ class FeatureDrafter(DrafterEngine):
 
     def _new_cache(self) -> KVCache:
         layer = self.head.layer
-        return KVCache(1, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu")
+        return KVCache(1, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu", transposed_keys=self.native_layer is not None)
 
     def _take_features(self, session: FeatureSession, start: int, rows: torch.Tensor) -> None:
         if start > session.num_features:
@@ -83,20 +93,19 @@ class FeatureDrafter(DrafterEngine):
         cache = session.cache
         start, count = cache.length, len(tokens)
         cache.reserve(start + count)
-        past_keys, past_values = cache.keys[:, :, :start], cache.values[:, :, :start]
         session.forward_passes += 1
-        outputs, keys, values = self.head(torch.tensor([tokens]), features[None], positions, past_keys, past_values, mask)
-        cache.keys[0, :, start : start + count] = keys[0]
-        cache.values[0, :, start : start + count] = values[0]
+        if self.native_layer is None:
+            past_keys, past_values = cache.keys[:, :, :start], cache.values[:, :, :start]
+            outputs, keys, values = self.head(torch.tensor([tokens]), features[None], positions, past_keys, past_values, mask)
+            cache.keys[0, :, start : start + count] = keys[0]
+            cache.values[0, :, start : start + count] = values[0]
+            outputs = outputs[0]
+        else:
+            cos, sin = self.rotary_rows(positions[0])
+            outputs = self.native_layer(self.head.layer_input(torch.tensor(tokens), features), cos, sin, [cache.keys[0]], [cache.values[0]],
+                                        [start], [count], [None if mask is None else mask[0, 0]], self.head.layer.num_heads)
         cache.length = start + count
-        return outputs[0]
-
-    def _logits(self, outputs: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits, -inf outside the draft vocabulary."""
-        small = self.head.logits(outputs)
-        full = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.head.vocab_ids] = small
-        return full
+        return outputs
 
     def _feed_committed(self, session: FeatureSession) -> None:
         n = len(session.tokens)
@@ -138,10 +147,10 @@ class FeatureDrafter(DrafterEngine):
             session.extra.append(token)
             session.extra_outputs.append(output)
         last = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
-        return self._logits(last[None])
+        return self.head.logits(last[None])
 
     def _draft_tree(self, session: FeatureSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
-        root_logits = self._feed_context(session, context)[0]
+        root_logits = self._feed_context(session, context)
         root_output = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
         num_context = session.cache.length
         fed: list[int] = []
@@ -149,16 +158,17 @@ class FeatureDrafter(DrafterEngine):
 
         def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
             new = [n for n in nodes if n != ROOT]
-            rows = {}
+            rows = {ROOT: 0}
+            logits = root_logits
             if new:
                 positions, mask = node_inputs(tree, fed, new, num_context)
                 before = torch.stack([outputs[tree.parent[n]] for n in new])
                 out = self._run(session, [tree.token_ids[n] for n in new], before, positions, mask)
                 fed.extend(new)
                 for i, node in enumerate(new):
-                    outputs[node], rows[node] = out[i], i
-                logits = self._logits(out)
-            return [self._next_token(root_logits if n == ROOT else logits[rows[n]], session.sampling) for n in nodes]
+                    outputs[node], rows[node] = out[i], 1 + i
+                logits = torch.cat([root_logits, self.head.logits(out)])
+            return self._next_tokens(logits[[rows[n] for n in nodes]], session.sampling)
 
         generator = None if session.sampling.greedy else session.generator
         return builder_for(shape).build(expand, budget, generator)

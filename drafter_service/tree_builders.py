@@ -20,21 +20,25 @@ from specdec.core.tree import ROOT, TREE_METHODS, DraftTree, Proposal, TreeShape
 
 @dataclass
 class NextToken:
-    """The drafter's distribution after one node: dense probs, and (sampling only) the
-    sparse proposal the verifier will rebuild exactly the same dense probs from."""
+    """The drafter's distribution after one node: token tokens[i] (token i where tokens is
+    None) has probability probs[i], float64. A drafter with a reduced vocabulary keeps only
+    that vocabulary's entries (8,192 instead of 49,152 for the built-in drafters). Sampled
+    drafts also carry the sparse proposal the verifier rebuilds the same distribution from."""
 
     probs: torch.Tensor
+    tokens: torch.Tensor | None = None
     proposal: Proposal | None = None
-    support: torch.Tensor | None = None  # the only tokens probs can give mass to (a reduced draft vocabulary); None = all
 
+    def top(self, k: int) -> list[tuple[int, float]]:
+        """The k likeliest tokens with non-zero probability and their probabilities, likeliest first."""
+        top = torch.topk(self.probs, min(k, self.probs.shape[-1]))
+        ids = top.indices if self.tokens is None else self.tokens[top.indices]
+        return [(t, p) for t, p in zip(ids.tolist(), top.values.tolist()) if p > 0]
 
-def top_tokens(dist: NextToken, k: int) -> list[int]:
-    """The k likeliest tokens with non-zero probability, likeliest first (searched within the
-    support: a 49k-token vocabulary costs a draft step about 0.2 ms per top-k)."""
-    probs = dist.probs if dist.support is None else dist.probs[dist.support]
-    top = torch.topk(probs, min(k, probs.shape[-1]))
-    indices = top.indices if dist.support is None else dist.support[top.indices]
-    return [int(t) for t, v in zip(indices, top.values) if v > 0]
+    def possible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens with non-zero probability, and their probabilities."""
+        keep = torch.nonzero(self.probs > 0).flatten()
+        return (keep if self.tokens is None else self.tokens[keep]), self.probs[keep]
 
 
 # expand(tree, nodes) -> the next-token distribution after each node (ROOT included).
@@ -55,13 +59,13 @@ def gumbel(shape: int, rng: torch.Generator) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def sample_without_replacement(probs: torch.Tensor, k: int, rng: torch.Generator) -> list[int]:
+def sample_without_replacement(dist: NextToken, k: int, rng: torch.Generator) -> list[int]:
     """Gumbel-Top-k: k distinct tokens in the order sequential draws without replacement
     would give them."""
-    support = torch.nonzero(probs > 0).flatten()
-    keys = probs[support].log() + gumbel(len(support), rng)
+    tokens, probs = dist.possible()
+    keys = probs.log() + gumbel(len(tokens), rng)
     order = torch.argsort(keys, descending=True)[:k]
-    return support[order].tolist()
+    return tokens[order].tolist()
 
 
 class KaryTree(TreeBuilder):
@@ -85,10 +89,10 @@ class KaryTree(TreeBuilder):
             for parent, dist in zip(parents, expand(tree, parents)):
                 k = min(width, budget - len(tree))
                 if self.sampled and rng is not None:
-                    tokens = sample_without_replacement(dist.probs, k, rng)
+                    tokens = sample_without_replacement(dist, k, rng)
                     tree.proposals[parent] = dist.proposal
                 else:
-                    tokens = top_tokens(dist, k)
+                    tokens = [token for token, _ in dist.top(k)]
                 next_level += [tree.add(token, parent) for token in tokens]
             level, depth = next_level, depth + 1
         return tree
@@ -114,9 +118,9 @@ class DynamicTree(TreeBuilder):
             new = []
             for parent, dist in zip(frontier, expand(candidates, frontier)):
                 base = 0.0 if parent == ROOT else score[parent]
-                for token in top_tokens(dist, self.width):
+                for token, prob in dist.top(self.width):
                     new.append(candidates.add(token, parent))
-                    score.append(base + math.log(float(dist.probs[token])))
+                    score.append(base + math.log(prob))
             frontier = sorted(new, key=lambda n: -score[n])[: self.width]
         best = sorted(range(len(candidates)), key=lambda n: (-score[n], n))[:budget]
         return candidates.subtree(sorted(best))
@@ -141,11 +145,12 @@ class StochasticBeamTree(TreeBuilder):
             choices = []  # (key, parent, token, logp)
             for parent, dist in zip(beam, expand(tree, beam)):
                 if rng is None:
-                    tokens = torch.tensor(top_tokens(dist, self.width), dtype=torch.long)
+                    top = dist.top(self.width)
+                    tokens, probs = torch.tensor([t for t, _ in top], dtype=torch.long), torch.tensor([p for _, p in top], dtype=torch.float64)
                 else:
-                    tokens = torch.nonzero(dist.probs > 0).flatten()
+                    tokens, probs = dist.possible()
                     tree.proposals[parent] = dist.proposal
-                child_logp = logp[parent] + dist.probs[tokens].log()
+                child_logp = logp[parent] + probs.log()
                 child_key = child_logp if rng is None else conditioned_gumbel(child_logp, key[parent], rng)
                 choices += [(float(k), parent, int(t), float(lp)) for k, t, lp in zip(child_key, tokens, child_logp)]
             chosen = sorted(choices, key=lambda c: -c[0])[: min(self.width, budget - len(tree))]
@@ -181,7 +186,7 @@ class LatticeTree(TreeBuilder):
         node = ROOT
         for _ in range(self.max_depth or max(1, budget // 2)):
             dist = expand(chain, [node])[0]
-            lattice.append([(token, math.log(float(dist.probs[token]))) for token in top_tokens(dist, self.width)])
+            lattice.append([(token, math.log(prob)) for token, prob in dist.top(self.width)])
             node = chain.add(lattice[-1][0][0], node)
         tree, score, path = DraftTree(), [], {ROOT: []}
         beam = [ROOT]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdec.core.engine import Int8Linear, KVCache, LlamaEngine, quantize_linears
+from specdec.core.engine import ForwardCall, Int8Linear, KVCache, LlamaEngine, quantize_linears
 from specdec.core.hub import load_model_weights_only
 from specdec.core.kernels import native
 from specdec.core.tree import DraftTree, verification_inputs
@@ -138,6 +138,41 @@ def test_int8_tree_pass_equals_one_token_steps(tiny_model, kernels):
             for token in context[5:] + [tree.token_ids[n] for n in tree.path_to(node)]:
                 step_logits, _ = engine(step_cache, [token])
             assert torch.equal(step_logits[-1], logits[node + 1]), f"node {node}"
+
+
+def test_sequences_batched_in_one_pass_get_what_each_gets_alone(tiny_model, kernels):
+    """Continuous batching's exactness: several sessions' forwards in one `forward_many` (a
+    tree with its mask, plain tokens, a prefill, hidden states) give each session bit-identical
+    logits, hidden states and cache to its forward alone."""
+    model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()
+    quantize_linears(model)
+    engine = LlamaEngine(model)
+    tree = DraftTree([4, 6, 8, 10], [-1, -1, 0, 2])
+    contexts = [[1, 5, 7, 3, 9], [2, 2, 8], [6, 1, 4, 4, 9, 12, 3]]
+
+    def calls():
+        caches = [engine.new_cache() for _ in contexts]
+        engine(caches[0], contexts[0][:3])
+        engine(caches[1], contexts[1][:2])
+        positions, mask = verification_inputs(tree, 3, 2)
+        return caches, [
+            ForwardCall(caches[0], contexts[0][3:] + tree.token_ids, len(tree) + 1, positions, mask, hidden_states=True),
+            ForwardCall(caches[1], contexts[1][2:]),
+            ForwardCall(caches[2], contexts[2], 2, prefill=True),
+        ]
+
+    with torch.inference_mode():
+        caches, batch = calls()
+        together = engine.forward_many(batch)
+        alone_caches, alone_calls = calls()
+        alone = [engine.forward_many([call])[0] for call in alone_calls]
+    # The torch-ops path runs the calls one after another: the same numbers, not just close ones.
+    for (logits, hidden), (expected, expected_hidden), cache, alone_cache in zip(together, alone, caches, alone_caches):
+        assert torch.equal(logits, expected)
+        assert (hidden is None) == (expected_hidden is None)
+        assert hidden is None or all(torch.equal(h, e) for h, e in zip(hidden, expected_hidden))
+        assert cache.length == alone_cache.length
+        assert torch.equal(cache.values[:, :, : cache.length], alone_cache.values[:, :, : cache.length])
 
 
 def test_native_prefill_equals_feeding_the_prompt_in_parts(tiny_model):

@@ -64,7 +64,7 @@ def table_expand(table: torch.Tensor, sampled: bool):
         for node in nodes:
             probs = table[ROOT_TOKEN if node == ROOT else tree.token_ids[node]]
             proposal = Proposal(list(range(VOCAB)), probs.tolist()) if sampled else None
-            out.append(NextToken(proposal.dense(VOCAB) if proposal else probs, proposal))
+            out.append(NextToken(probs, None, proposal))
         return out
 
     return expand
@@ -387,14 +387,13 @@ def test_architectures_that_ignore_tree_masks_are_refused():
 
 @pytest.mark.parametrize("sampling", [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 5)])
 def test_a_reduced_vocabulary_gives_the_distribution_the_full_one_gives(sampling):
-    """A drafter whose head covers a draft vocabulary (-inf logits elsewhere) normalises over
-    that vocabulary alone: the same probabilities and the same top tokens as over the full
-    vocabulary, and for sampling the same sparse proposal."""
+    """A drafter whose head covers a draft vocabulary (the logits of those tokens alone)
+    normalises over that vocabulary: the same probabilities and the same top tokens as a
+    full-vocabulary head with -inf logits elsewhere, and for sampling the same sparse proposal."""
     import functools
     import types
 
     from drafter_service.drafter import DrafterEngine
-    from drafter_service.tree_builders import top_tokens
     from specdec.core.sampling import Sampling
 
     vocab_size, support = 500, torch.tensor(sorted(torch.randperm(500, generator=torch.Generator().manual_seed(3))[:60].tolist()))
@@ -402,14 +401,18 @@ def test_a_reduced_vocabulary_gives_the_distribution_the_full_one_gives(sampling
     logits[support] = torch.randn(len(support), generator=torch.Generator().manual_seed(4)) * 3
     settings_ = Sampling(*sampling)
     dists = []
-    for draft_vocab in (None, support):
+    for draft_vocab, rows in ((None, logits), (support, logits[support])):
         drafter = types.SimpleNamespace(draft_vocab=draft_vocab, vocab_size=vocab_size, proposal_top_k=16)
         drafter._proposal = functools.partial(DrafterEngine._proposal, drafter)
-        dists.append(DrafterEngine._next_token(drafter, logits, settings_))
+        dists.append(DrafterEngine._next_tokens(drafter, rows[None], settings_)[0])
     full, reduced = dists
-    assert reduced.support is not None or not settings_.greedy
-    torch.testing.assert_close(reduced.probs, full.probs, rtol=1e-12, atol=1e-15)
-    assert top_tokens(reduced, 8) == top_tokens(full, 8)
+    full_tokens, full_probs = full.possible()
+    reduced_tokens, reduced_probs = reduced.possible()
+    order = [reduced_tokens.tolist().index(t) for t in full_tokens.tolist()]
+    assert sorted(full_tokens.tolist()) == sorted(reduced_tokens.tolist()) and set(full_tokens.tolist()) <= set(support.tolist())
+    torch.testing.assert_close(reduced_probs[order], full_probs, rtol=1e-12, atol=1e-15)
+    assert [t for t, _ in reduced.top(8)] == [t for t, _ in full.top(8)]
+    assert [p for _, p in reduced.top(8)] == pytest.approx([p for _, p in full.top(8)], rel=1e-12)
     if not settings_.greedy:
         assert reduced.proposal.token_ids == full.proposal.token_ids
         assert reduced.proposal.probs == pytest.approx(full.proposal.probs, rel=1e-6)

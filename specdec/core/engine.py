@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,7 @@ from specdec.core.kernels import native
 from specdec.core.kv_cache import KVCache, TransformersCache
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
+_CAUSAL = torch.empty(0, dtype=torch.bool)  # the native layer's "no mask"
 _TINY = 1e-12  # the smallest scale: an all-zero row quantizes to zeros instead of NaN
 
 
@@ -128,6 +130,77 @@ def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
     return fused.requires_grad_(False)
 
 
+@dataclass
+class ForwardCall:
+    """One sequence's part of a forward pass: `input_ids` fed after the tokens its cache holds
+    (the arguments of LlamaEngine.forward)."""
+
+    cache: KVCache | TransformersCache
+    input_ids: list[int]
+    num_logits: int = 1
+    position_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    hidden_states: bool = False
+    prefill: bool = False
+
+
+class NativeLayer:
+    """A Llama decoder layer with int8 weights run whole by one call of the native kernel:
+    norms, fused q|k|v, rotary, batch-invariant attention over a transposed-key cache, o,
+    fused gate|up, down, both residuals. Writes the new keys and values into the cache."""
+
+    def __init__(self, input_norm, qkv: Int8Linear, o: Int8Linear, post_norm, gate_up: Int8Linear, down: Int8Linear, eps: float):
+        empty = torch.empty(0)
+        norms = [n.weight.detach().float().contiguous() for n in (input_norm, post_norm)]
+        parts = [[m.packed, m.sums, m.scale, empty if m.bias is None else m.bias, empty if m.smoothing is None else m.smoothing]
+                 for m in (qkv, o, gate_up, down)]
+        self.weights = [norms[0], *parts[0], *parts[1], norms[1], *parts[2], *parts[3]]
+        self.widths = [m.out_features for m in (qkv, o, gate_up, down)]
+        self.eps = eps
+
+    def __call__(self, x, cos, sin, keys: list, values: list, starts: list[int], counts: list[int], masks: list, heads: int,
+                 up_delta: torch.Tensor | None = None):
+        """x (T, H) float32: the rows of one or more sequences, sequence i counts[i] rows after
+        starts[i] positions of its cache (keys[i], values[i]: this layer's), attending under
+        masks[i] ((counts[i], starts[i] + counts[i]) bool, or None: causal); cos/sin
+        (T, head_dim). Returns the layer's output (T, H): each row exactly what its sequence
+        alone would give."""
+        masks = [_CAUSAL if m is None else m for m in masks]
+        return native().int8_decoder_layer(x, self.weights, self.widths, self.eps, cos, sin, keys, values, starts, counts, masks, heads, up_delta)
+
+
+def native_layer(input_norm, qkv, o, post_norm, gate_up, down, eps: float) -> NativeLayer | None:
+    """The layer for the native kernel, or None where it does not apply (weights not int8,
+    no kernels, not on the CPU)."""
+    linears = (qkv, o, gate_up, down)
+    if native() is None or not all(isinstance(m, Int8Linear) and m.kernels is not None and m.weight.device.type == "cpu" for m in linears):
+        return None
+    return NativeLayer(input_norm, qkv, o, post_norm, gate_up, down, eps)
+
+
+class RotaryTable:
+    """A rotary embedding module's cos/sin rows at given positions, read from a table grown by
+    doubling: the module costs ~40 µs a call, a sixth of a served 5-token verify. Each row is
+    position x frequency elementwise, so a table row equals what a call would give."""
+
+    def __init__(self, rotary: torch.nn.Module, like: torch.Tensor):
+        self.rotary, self.like = rotary, like[:1]
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(len(positions), head_dim) cos and sin."""
+        if getattr(self.rotary, "rope_type", "default") not in ("default", "linear", "llama3"):
+            cos, sin = self.rotary(self.like, positions[None])  # frequencies that move with length
+            return cos[0], sin[0]
+        needed = int(positions.max()) + 1
+        if self.table is None or needed > self.table[0].shape[0]:
+            size = max(needed, 2 * (0 if self.table is None else self.table[0].shape[0]), 256)
+            cos, sin = self.rotary(self.like, torch.arange(size, device=self.like.device)[None])
+            self.table = (cos[0], sin[0])
+        cos, sin = self.table
+        return cos[positions], sin[positions]
+
+
 class LlamaEngine(torch.nn.Module):
     """A Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral without a sliding window) run by
     one short forward of its own: fused q|k|v and gate|up layers, the model's own rotary
@@ -166,7 +239,7 @@ class LlamaEngine(torch.nn.Module):
         # SD² steering: layer index -> delta added to the up-branch (None = none this forward).
         self.up_delta: Callable[[int], torch.Tensor | None] | None = None
         self.native_layers = self._native_layers(config)
-        self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rotary_rows = RotaryTable(self.rotary, self.embed.weight)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -174,22 +247,13 @@ class LlamaEngine(torch.nn.Module):
         windowed = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)
         return config.model_type in LlamaEngine.SUPPORTED and getattr(config, "hidden_act", "silu") == "silu" and not windowed
 
-    def _native_layers(self, config) -> list[tuple[list[torch.Tensor], list[int], float]] | None:
-        """Each layer's tensors for the native kernel that runs a whole int8 decoder layer in
-        one call, or None where it does not apply (other weight formats, no kernels, not CPU)."""
-        kernels = self._native_attention()
-        linears = [(b.qkv, b.o, b.gate_up, b.down) for b in self.layers]
-        if kernels is None or not all(isinstance(m, Int8Linear) and m.kernels is not None for ms in linears for m in ms):
+    def _native_layers(self, config) -> list[NativeLayer] | None:
+        """Each layer's tensors for the native kernel, or None where it does not apply to all
+        (other weight formats, no kernels, not CPU)."""
+        if self._native_attention() is None:
             return None
-        eps = config.rms_norm_eps
-        empty = torch.empty(0)
-        bundles = []
-        for block, layer_linears in zip(self.layers, linears):
-            norms = [block.input_norm.weight.detach().float().contiguous(), block.post_norm.weight.detach().float().contiguous()]
-            parts = [[m.packed, m.sums, m.scale, empty if m.bias is None else m.bias, empty if m.smoothing is None else m.smoothing] for m in layer_linears]
-            weights = [norms[0], *parts[0], *parts[1], norms[1], *parts[2], *parts[3]]
-            bundles.append((weights, [m.out_features for m in layer_linears], eps))
-        return bundles
+        bundles = [native_layer(b.input_norm, b.qkv, b.o, b.post_norm, b.gate_up, b.down, config.rms_norm_eps) for b in self.layers]
+        return None if any(b is None for b in bundles) else bundles
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -223,27 +287,62 @@ class LlamaEngine(torch.nn.Module):
         many times faster on long prompts, but a token's result then depends on the pass, so only
         a prefix that every way of decoding feeds in the same single pass may take it (a
         session's prompt). The native layers are batch-invariant and need no such care."""
-        start, count = cache.length, len(input_ids)
-        if prefill and (start or attention_mask is not None or position_ids is not None):
-            raise ValueError("prefill feeds a prompt into an empty cache, causally")
-        cache.reserve(start + count)
-        if position_ids is None:
-            position_ids = torch.arange(start, start + count)[None]
-        x = self.embed(torch.tensor(input_ids, device=self.device))
-        cos, sin = self._rotary_rows(position_ids.to(self.device)[0])
+        return self.forward_many([ForwardCall(cache, input_ids, num_logits, position_ids, attention_mask, hidden_states, prefill)])[0]
+
+    def forward_many(self, calls: list[ForwardCall]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]]:
+        """Several sequences' forwards, each over its own cache: what `forward` returns for each.
+        The native layers run them all in one pass (the weights are read once): a row's result
+        depends on its own sequence alone, so each gets exactly what it would get alone. The
+        torch-ops path runs them one after another, as its kernels' sums change with the batch."""
+        for call in calls:
+            start = call.cache.length
+            if call.prefill and (start or call.attention_mask is not None or call.position_ids is not None):
+                raise ValueError("prefill feeds a prompt into an empty cache, causally")
+            call.cache.reserve(start + len(call.input_ids))
+        if self.native_layers is None:
+            return [self._torch_forward(call) for call in calls]
+        return self._native_forward(calls)
+
+    def _native_forward(self, calls: list[ForwardCall]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]]:
+        starts, counts = [c.cache.length for c in calls], [len(c.input_ids) for c in calls]
+        positions = torch.cat([
+            torch.arange(start, start + count) if c.position_ids is None else c.position_ids[0]
+            for c, start, count in zip(calls, starts, counts)
+        ])
+        x = self.embed(torch.tensor([t for c in calls for t in c.input_ids]))
+        cos, sin = self.rotary_rows(positions)
+        masks = [None if c.attention_mask is None else c.attention_mask[0, 0] for c in calls]
+        keep = [x] if any(c.hidden_states for c in calls) else None
+        for index, layer in enumerate(self.native_layers):
+            delta = self.up_delta(index) if self.up_delta is not None else None
+            x = layer(x, cos, sin, [c.cache.keys[index] for c in calls], [c.cache.values[index] for c in calls], starts, counts, masks,
+                      self.num_heads, delta)
+            if keep is not None:
+                keep.append(x)
+        normed = self.norm(x)
+        if keep is not None:
+            keep[-1] = normed
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        rows = torch.cat([torch.arange(end - c.num_logits, end) for c, end in zip(calls, ends)])
+        logits = self.lm_head(normed[rows]).float().split([c.num_logits for c in calls])
+        results = []
+        for call, start, count, end, call_logits in zip(calls, starts, counts, ends, logits):
+            call.cache.length = start + count
+            states = tuple(h[end - count : end][None] for h in keep) if call.hidden_states else None
+            results.append((call_logits, states))
+        return results
+
+    def _torch_forward(self, call: ForwardCall) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        cache, count, start = call.cache, len(call.input_ids), call.cache.length
+        position_ids = torch.arange(start, start + count)[None] if call.position_ids is None else call.position_ids
+        x = self.embed(torch.tensor(call.input_ids, device=self.device))
+        cos, sin = self.rotary_rows(position_ids.to(self.device)[0])
         cos, sin = cos[:, None], sin[:, None]  # (count, 1, head_dim): one row per token
-        mask = None if attention_mask is None else attention_mask[0, 0].to(self.device)
+        mask = None if call.attention_mask is None else call.attention_mask[0, 0].to(self.device)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        keep = [x[None]] if hidden_states else None
+        keep = [x[None]] if call.hidden_states else None
         for index, block in enumerate(self.layers):
             delta = self.up_delta(index) if self.up_delta is not None else None
-            if self.native_layers is not None:
-                weights, widths, eps = self.native_layers[index]
-                x = native().int8_decoder_layer(x, weights, widths, eps, cos[:, 0], sin[:, 0], cache.keys[index], cache.values[index],
-                                                start, mask, heads, delta)
-                if keep is not None:
-                    keep.append(x[None])
-                continue
             qkv = block.qkv(block.input_norm(x))
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rotate(q.view(count, heads, dim), cos, sin)
@@ -255,7 +354,7 @@ class LlamaEngine(torch.nn.Module):
             else:
                 keys[:, start : start + count] = k.transpose(0, 1)
             values[:, start : start + count] = v.transpose(0, 1)
-            if prefill:
+            if call.prefill:
                 attended = torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
                 ).transpose(0, 1)
@@ -272,23 +371,8 @@ class LlamaEngine(torch.nn.Module):
         normed = self.norm(x)
         if keep is not None:
             keep[-1] = normed[None]
-        logits = self.lm_head(normed[-num_logits:])
+        logits = self.lm_head(normed[-call.num_logits :])
         return logits.float(), None if keep is None else tuple(keep)
-
-    def _rotary_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's rotary cos/sin rows at `positions`, read from a table grown by doubling:
-        the rotary module costs ~40 µs a call, a sixth of a served 5-token verify. Each row is
-        position x frequency elementwise, so a table row equals what a call would give."""
-        if getattr(self.rotary, "rope_type", "default") not in ("default", "linear", "llama3"):
-            cos, sin = self.rotary(self.embed.weight[:1], positions[None])  # frequencies that move with length
-            return cos[0], sin[0]
-        needed = int(positions.max()) + 1
-        if self._rotary_table is None or needed > self._rotary_table[0].shape[0]:
-            size = max(needed, 2 * (0 if self._rotary_table is None else self._rotary_table[0].shape[0]), 256)
-            cos, sin = self.rotary(self.embed.weight[:1], torch.arange(size, device=self.device)[None])
-            self._rotary_table = (cos[0], sin[0])
-        cos, sin = self._rotary_table
-        return cos[positions], sin[positions]
 
     def _attend(self, q, keys, values, start: int, count: int, mask: torch.Tensor | None) -> torch.Tensor:
         kernels = self._native_attention()
@@ -359,6 +443,10 @@ class TransformersEngine:
         )
         return out.logits[0].float(), out.hidden_states
 
+    def forward_many(self, calls: list[ForwardCall]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]]:
+        """One after another: transformers' kernels would change a sequence's sums with the batch."""
+        return [self(c.cache, c.input_ids, c.num_logits, c.position_ids, c.attention_mask, c.hidden_states, c.prefill) for c in calls]
+
 
 def engine_for(model: torch.nn.Module, weights: str) -> LlamaEngine | TransformersEngine:
     """float32 runs as transformers runs it (so output equals `generate()`); the other formats
@@ -381,3 +469,7 @@ class ComputeThread:
 
     def run(self, fn, *args, **kwargs):
         return self._executor.submit(fn, *args, **kwargs).result()
+
+    def submit(self, fn, *args) -> None:
+        """Queues `fn` without waiting for it."""
+        self._executor.submit(fn, *args)

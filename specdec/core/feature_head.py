@@ -170,10 +170,14 @@ class FeatureHead(torch.nn.Module):
     def forward(self, token_ids, features, position_ids, past_keys=None, past_values=None, mask=None):
         """token_ids (B, T), features (B, T, H) read with them, position_ids (B, T).
         Returns (outputs (B, T, H), keys, values of this pass)."""
-        parts = [self.token_norm(self.embed(token_ids)), self.feature_norm(features.to(self.embed.weight.dtype))]
-        x = self.fc(torch.cat(parts, dim=-1))
+        x = self.layer_input(token_ids, features)
         cos, sin = self.rotary(x, position_ids)
         return self.layer(x, cos[:, None], sin[:, None], past_keys, past_values, mask)
+
+    def layer_input(self, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """What the decoder layer reads: fc over the normalised token embedding and feature."""
+        parts = [self.token_norm(self.embed(token_ids)), self.feature_norm(features.to(self.embed.weight.dtype))]
+        return self.fc(torch.cat(parts, dim=-1))
 
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (index i is token vocab_ids[i])."""

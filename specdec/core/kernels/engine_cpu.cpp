@@ -521,18 +521,33 @@ void swiglu(const float* gate, const float* up, const float* delta, int64_t n, f
 //   x += o(attention(rotary(q, k), v)) with q|k|v = qkv(norm_in(x)), k and v written to the cache;
 //   x += down(silu(gate) * (up + delta)) with gate|up = gate_up(norm_post(x)).
 // `weights`: norm_in, then qkv's (packed, sums, scale, bias, smoothing), o's, norm_post,
-// gate_up's, down's; `widths`: the four layers' output widths. Returns the new x.
+// gate_up's, down's; `widths`: the four layers' output widths. The rows are segments, one per
+// sequence: segment i is counts[i] rows after starts[i] positions of its own cache (keys[i],
+// values[i]), attending under masks[i] ([counts[i], starts[i] + counts[i]] bool; empty = causal).
+// Every row's result depends on that row and its own cache alone, so sequences batched
+// together get exactly what each gets alone. Returns the new x.
 torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> widths, double eps,
-                                 torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t start,
-                                 c10::optional<torch::Tensor> mask, int64_t heads, c10::optional<torch::Tensor> delta) {
+                                 torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                                 std::vector<int64_t> starts, std::vector<int64_t> counts, std::vector<torch::Tensor> masks, int64_t heads,
+                                 c10::optional<torch::Tensor> delta) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && weights.size() == 22 && widths.size() == 4, "bad layer arguments");
-  check_cache(keys, values);
+  const size_t segments = keys.size();
+  TORCH_CHECK(segments > 0 && values.size() == segments && starts.size() == segments && counts.size() == segments &&
+                  masks.size() == segments, "one cache, start, count and mask per segment");
   x = x.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  const int64_t t = x.size(0), hidden = x.size(1), kv_heads = keys.size(0), dim = keys.size(1), capacity = keys.size(2);
-  const int64_t q_size = heads * dim, kv_size = kv_heads * dim, length = start + t;
-  TORCH_CHECK(dim <= 512 && widths[0] == q_size + 2 * kv_size && length <= capacity, "layer shapes do not match the cache");
+  const int64_t t = x.size(0), hidden = x.size(1), kv_heads = keys[0].size(0), dim = keys[0].size(1);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+  TORCH_CHECK(dim <= 512 && widths[0] == q_size + 2 * kv_size, "layer shapes do not match the cache");
+  int64_t rows_total = 0;
+  for (size_t i = 0; i < segments; ++i) {
+    check_cache(keys[i], values[i]);
+    TORCH_CHECK(keys[i].size(0) == kv_heads && keys[i].size(1) == dim && starts[i] + counts[i] <= keys[i].size(2),
+                "a segment's cache does not fit the layer or its tokens");
+    rows_total += counts[i];
+  }
+  TORCH_CHECK(rows_total == t, "the segments' counts must add up to the rows of x");
   const auto linear = [&](int i, int64_t width) { return Int8Layer(weights[i], weights[i + 1], weights[i + 2], weights[i + 3], weights[i + 4], width); };
   const Int8Layer qkv = linear(1, widths[0]), o = linear(6, widths[1]), gate_up = linear(12, widths[2]), down = linear(17, widths[3]);
   const float* norm_in = weights[0].data_ptr<float>();
@@ -554,25 +569,32 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> wei
 
   qkv.quantize(t, hidden, [&](int64_t r, float* row) { rms_norm(h + r * hidden, norm_in, epsilon, hidden, row); }, xq, row_scale);
   qkv.multiply(xq, row_scale, t, projected.data());
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
-  for (int64_t r = 0; r < t; ++r) {
-    float* row = projected.data() + r * widths[0];
-    const float* c = cos.data_ptr<float>() + r * dim;
-    const float* sn = sin.data_ptr<float>() + r * dim;
-    for (int64_t head = 0; head < heads; ++head) {
-      rotate(row + head * dim, c, sn, dim);
-      std::memcpy(q.data() + (r * heads + head) * dim, row + head * dim, dim * sizeof(float));
+  int64_t first = 0;  // the segment's first row
+  for (size_t i = 0; i < segments; first += counts[i], ++i) {
+    float* kp = keys[i].data_ptr<float>();
+    float* vp = values[i].data_ptr<float>();
+    const int64_t capacity = keys[i].size(2), start = starts[i], length = start + counts[i];
+    for (int64_t r = first; r < first + counts[i]; ++r) {
+      float* row = projected.data() + r * widths[0];
+      const float* c = cos.data_ptr<float>() + r * dim;
+      const float* sn = sin.data_ptr<float>() + r * dim;
+      for (int64_t head = 0; head < heads; ++head) {
+        rotate(row + head * dim, c, sn, dim);
+        std::memcpy(q.data() + (r * heads + head) * dim, row + head * dim, dim * sizeof(float));
+      }
+      const int64_t position = start + r - first;
+      for (int64_t head = 0; head < kv_heads; ++head) {
+        float* key = row + q_size + head * dim;
+        rotate(key, c, sn, dim);
+        for (int64_t d = 0; d < dim; ++d) kp[(head * dim + d) * capacity + position] = key[d];
+        std::memcpy(vp + (head * capacity + position) * dim, row + q_size + kv_size + head * dim, dim * sizeof(float));
+      }
     }
-    for (int64_t head = 0; head < kv_heads; ++head) {
-      float* key = row + q_size + head * dim;
-      rotate(key, c, sn, dim);
-      for (int64_t d = 0; d < dim; ++d) kp[(head * dim + d) * capacity + start + r] = key[d];
-      std::memcpy(vp + (head * capacity + start + r) * dim, row + q_size + kv_size + head * dim, dim * sizeof(float));
-    }
+    torch::Tensor holder;
+    const c10::optional<torch::Tensor> mask = masks[i].numel() ? c10::optional<torch::Tensor>(masks[i]) : c10::nullopt;
+    attend(q.data() + first * q_size, counts[i], heads, dim, kp, vp, kv_heads, capacity, length, start,
+           mask_rows(mask, counts[i], length, holder), attended.data() + first * q_size);
   }
-  torch::Tensor holder;
-  attend(q.data(), t, heads, dim, kp, vp, kv_heads, capacity, length, start, mask_rows(mask, t, length, holder), attended.data());
   o.quantize(t, q_size, [&](int64_t r, float* row) { std::memcpy(row, attended.data() + r * q_size, q_size * sizeof(float)); }, xq, row_scale);
   o.multiply(xq, row_scale, t, projected.data());
 
