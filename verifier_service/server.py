@@ -5,6 +5,7 @@ import time
 
 import grpc
 
+from specdec.core.batching import Batcher
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.serving.config import LimitsConfig
@@ -23,6 +24,7 @@ from verifier_service.verifier import VerifierEngine
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, compute: ComputeThread):
         self.engine, self.compute = engine, compute
+        self.batcher = Batcher(compute, engine.forward_many)  # the rounds of sessions that arrive together share passes
 
     @reports_errors
     def Info(self, request, context):
@@ -43,7 +45,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             session = self.engine.sessions.get(request.session_id)
         tree = tree_from_proto(request.tree)
         with dropped_on_failure(self.engine.sessions, request.session_id):
-            result = self.compute.run(self.engine.verify, session, request.round, tree, request.fused_tokens, request.steering, request.features)
+            job = self.engine.verify_job(session, request.round, tree, request.fused_tokens, request.steering, request.features)
+            result = self.batcher.run(job, request.session_id)
         self.engine.sessions.fit(request.session_id)  # the grown cache may push others out
         return verifier_pb2.VerifyResponse(
             token_ids=result.token_ids,

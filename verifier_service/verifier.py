@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from specdec.core.engine import engine_for
+from specdec.core.batching import Job, run_alone
+from specdec.core.engine import ForwardCall, engine_for
 from specdec.core.feature_head import feature_fingerprint, load_feature_fuse
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
@@ -113,6 +114,18 @@ class VerifierEngine:
     def verify(
         self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False, features: bool = False
     ) -> RoundResult:
+        """One round on its own (a service batches `verify_job`s of many sessions instead)."""
+        return run_alone(self.verify_job(session, round_number, tree, fused_tokens, steering, features), self.forward_many)
+
+    def forward_many(self, calls: list[ForwardCall]) -> list:
+        with self._model_lock, torch.inference_mode():
+            return self.engine.forward_many(calls)
+
+    def verify_job(
+        self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False, features: bool = False
+    ) -> Job:
+        """Commits the round's tokens (the accepted path and the next token, or `fused_tokens`
+        of the verifier's own without a tree): a job yielding the forwards it needs."""
         with session.lock:
             if round_number == session.last_round and session.last_result is not None:
                 return session.last_result  # a retried round commits nothing twice
@@ -139,13 +152,13 @@ class VerifierEngine:
             start = time.perf_counter()
             features_start = session.num_cached
             hidden = steering or features
-            with self._model_lock, torch.inference_mode():
-                if len(tree) == 0:
-                    new_tokens, read = self._generate(session, max(fused_tokens, 1), hidden)
-                    num_accepted = 0
-                else:
-                    new_tokens, read = self._verify_tree(session, tree, hidden)
-                    num_accepted = len(new_tokens) - 1
+            if len(tree) == 0:
+                new_tokens, read = yield from self._generate(session, max(fused_tokens, 1), hidden)
+                num_accepted = 0
+            else:
+                new_tokens, read = yield from self._verify_tree(session, tree, hidden)
+                num_accepted = len(new_tokens) - 1
+            with torch.inference_mode():
                 steering_start = time.perf_counter()
                 vector = vector_to_tensor_fields(self.steering(_at(read, -1))) if steering else None
                 steering_ms = (time.perf_counter() - steering_start) * 1e3
@@ -160,24 +173,24 @@ class VerifierEngine:
             session.last_round, session.last_result = round_number, result
             return result
 
-    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, hidden: bool, **masking):
+    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, hidden: bool, **masking) -> Job:
         """(logits of the last num_logits positions, hidden states of every layer or None)."""
-        return self.engine(session.cache, input_ids, num_logits, hidden_states=hidden, **masking)
+        return (yield ForwardCall(session.cache, input_ids, num_logits, hidden_states=hidden, **masking))
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor, position: int) -> int:
         if session.sampling.greedy:
             return int(logits.argmax())
         return sample(warp_probs(logits, session.sampling), position_generator(session.sampling.seed, position))
 
-    def _generate(self, session: VerifierSession, max_tokens: int, hidden: bool) -> tuple[list[int], tuple | None]:
+    def _generate(self, session: VerifierSession, max_tokens: int, hidden: bool) -> Job:
         """The new tokens, and (with `hidden`) every layer's hidden states at the positions read,
         all of which are committed."""
         new: list[int] = []
-        prefilled = self._prefill(session, hidden)
+        prefilled = yield from self._prefill(session, hidden)
         read = [tuple(h[0] for h in prefilled)] if prefilled else []
         pending = session.tokens[session.num_cached :]
         for _ in range(max_tokens):
-            logits, states = self._forward(session, pending, 1, hidden)
+            logits, states = yield from self._forward(session, pending, 1, hidden)
             if hidden:
                 read.append(tuple(h[0] for h in states))
             token = self._choose(session, logits[-1], len(session.tokens) + len(new))
@@ -187,14 +200,14 @@ class VerifierEngine:
             pending = [token]
         return new, tuple(torch.cat(layer) for layer in zip(*read)) if hidden else None
 
-    def _verify_tree(self, session: VerifierSession, tree: DraftTree, hidden: bool) -> tuple[list[int], tuple | None]:
+    def _verify_tree(self, session: VerifierSession, tree: DraftTree, hidden: bool) -> Job:
         """The new tokens, and (with `hidden`) every layer's hidden states at the positions
         committed: the pending tokens and the accepted path; the last one gave the new token."""
-        prefilled = self._prefill(session, hidden)
+        prefilled = yield from self._prefill(session, hidden)
         num_cached = session.num_cached
         pending = session.tokens[num_cached:]
         positions, mask = verification_inputs(tree, num_cached, len(pending))
-        logits, states = self._forward(
+        logits, states = yield from self._forward(
             session,
             pending + tree.token_ids,
             len(tree) + 1,
@@ -215,14 +228,14 @@ class VerifierEngine:
             read = tuple(torch.cat([before[0], after]) for before, after in zip(prefilled, read))
         return [tree.token_ids[node] for node in path] + [next_token], read
 
-    def _prefill(self, session: VerifierSession, hidden: bool) -> tuple | None:
+    def _prefill(self, session: VerifierSession, hidden: bool) -> Job:
         """Feeds the prompt but its last token into a new session's cache in one fast pass (the
         same pass whichever way the session decodes); returns that pass's hidden states when
         asked for, else None."""
         count = session.prompt_length - 1
         if session.num_cached or count < 1:
             return None
-        _, states = self.engine(session.cache, session.tokens[:count], 1, hidden_states=hidden, prefill=True)
+        _, states = yield ForwardCall(session.cache, session.tokens[:count], 1, hidden_states=hidden, prefill=True)
         return states
 
 
