@@ -6,7 +6,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdec.core.engine import ForwardCall, Int8Linear, KVCache, LlamaEngine, quantize_linears
+from specdec.core.engine import (
+    ForwardCall,
+    Int8Linear,
+    KVCache,
+    LlamaEngine,
+    quantize_linears,
+)
 from specdec.core.hub import load_model_weights_only
 from specdec.core.kernels import native
 from specdec.core.tree import DraftTree, verification_inputs

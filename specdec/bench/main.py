@@ -75,6 +75,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     network.add_argument("--jitter-ms", type=float, default=0.0, help="standard deviation of each direction's delay")
     network.add_argument("--bandwidth-mbps", type=float, default=0.0, help="bandwidth cap per direction; 0 = none")
+    load = parser.add_argument_group("many streams at once (instead of the method comparison; first of --trees and --budgets)")
+    load.add_argument("--concurrency", help="comma-separated numbers of concurrent streams, e.g. 1,4,8,16,32")
     steering = parser.add_argument_group("SD² steering ablation (instead of the method comparison; first of --trees and --budgets)")
     steering.add_argument("--steering-ablation", action="store_true", help="steered vs the same drafter unsteered vs the distilled-only drafter")
     steering.add_argument("--steered-drafter", help="drafter checkpoint with steering (default: the config's drafter)")
@@ -176,6 +178,24 @@ def run_bench(args) -> int:
         report["config"] = {"verifier": config.verifier.model.__dict__, "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads()}
         written = write_ablation(report, Path(args.out))
         print(format_ablation(report))
+        print("wrote " + ", ".join(map(str, written)))
+        return 0
+    if args.concurrency:
+        from specdec.bench.concurrency import (
+            format_concurrency,
+            run_concurrency,
+            write_concurrency,
+        )
+
+        report = run_concurrency(args, config, prompt_ids, app_args, trees[0], budgets[0])
+        report["config"] = {
+            "verifier": config.verifier.model.__dict__,
+            "drafter": config.drafter.model.__dict__,
+            "question_ids": [p["question_id"] for p in prompts],
+            "max_new_tokens": args.max_new_tokens,
+        }
+        written = write_concurrency(report, Path(args.out))
+        print(format_concurrency(report))
         print("wrote " + ", ".join(map(str, written)))
         return 0
     if args.rtt_sweep:

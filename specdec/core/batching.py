@@ -1,16 +1,14 @@
-"""Continuous batching across sessions. A service's work item is a job: a generator that
-yields the forward passes it needs (ForwardCall) and receives each one's result. The compute
-thread runs every job queued when it comes free together, in lockstep: one `forward_many`
-per step over the calls the unfinished jobs wait on. Jobs that arrive meanwhile wait for the
-next batch, so one stream alone never waits for a batch to fill, and many streams share each
-pass over the weights."""
+"""Continuous batching across sessions. A service's unit of work is a job: a generator that
+yields the forward passes it needs (ForwardCall) and receives each one's result. Jobs advance
+in lockstep, one `forward_many` per step over the calls they wait on, and a job that arrives
+joins at the next step: one stream alone never waits for a batch to fill, and many streams
+share each pass over the weights."""
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Generator, Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,109 +17,119 @@ from specdec.core.engine import ComputeThread, ForwardCall
 
 Job = Generator[ForwardCall, Any, Any]
 ForwardMany = Callable[[list[ForwardCall]], list[Any]]
+Done = Callable[[Any, BaseException | None], None]  # (the job's value, None) or (None, its error)
 
 
-def run_together(jobs: list[Job], forward_many: ForwardMany) -> list[tuple[Any, BaseException | None]]:
-    """Runs the jobs to their ends; each job's (return value, None) or (None, its exception)."""
-    outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(jobs)
-    waiting: dict[int, ForwardCall] = {}
+class Lockstep:
+    """Jobs advanced together: each `step` runs one pass over the calls they wait on."""
 
-    def advance(index: int, value: Any = None, error: BaseException | None = None) -> None:
+    def __init__(self, forward_many: ForwardMany):
+        self.forward_many = forward_many
+        self.waiting: list[tuple[Job, ForwardCall, Done]] = []
+
+    def add(self, job: Job, done: Done) -> None:
+        self._advance(job, done, None, None)
+
+    def step(self) -> None:
+        waiting, self.waiting = self.waiting, []
         try:
-            call = jobs[index].throw(error) if error is not None else jobs[index].send(value)
-            waiting[index] = call
-        except StopIteration as done:
-            outcomes[index] = (done.value, None)
-        except Exception as err:  # noqa: BLE001 - the job's own failure goes back to its caller
-            outcomes[index] = (None, err)
+            results = self.forward_many([call for _, call, _ in waiting])
+        except Exception as err:  # noqa: BLE001 - a failed pass fails the jobs that shared it
+            for job, _, done in waiting:
+                self._advance(job, done, None, err)
+            return
+        for (job, _, done), result in zip(waiting, results):
+            self._advance(job, done, result, None)
 
-    with torch.inference_mode():  # the caches a pass grows are inference tensors the jobs edit
-        for index in range(len(jobs)):
-            advance(index)
-        while waiting:
-            indices, calls = list(waiting), list(waiting.values())
-            waiting.clear()
-            try:
-                results = forward_many(calls)
-            except Exception as err:  # noqa: BLE001 - a failed pass fails the jobs that shared it
-                for index in indices:
-                    advance(index, error=err)
-                continue
-            for index, result in zip(indices, results):
-                advance(index, result)
-    return outcomes
+    def _advance(self, job: Job, done: Done, value: Any, error: BaseException | None) -> None:
+        try:
+            call = job.throw(error) if error is not None else job.send(value)
+        except StopIteration as finished:
+            done(finished.value, None)
+        except Exception as err:  # noqa: BLE001 - the job's own failure goes back to its caller
+            done(None, err)
+        else:
+            self.waiting.append((job, call, done))
 
 
 def run_alone(job: Job, forward_many: ForwardMany) -> Any:
-    value, error = run_together([job], forward_many)[0]
+    """Runs one job to its end on this thread and returns its value (or raises its error)."""
+    outcome: list = []
+    lockstep = Lockstep(forward_many)
+    with torch.inference_mode():  # the caches a pass grows are inference tensors the job edits
+        lockstep.add(job, lambda value, error: outcome.extend([value, error]))
+        while lockstep.waiting:
+            lockstep.step()
+    value, error = outcome
     if error is not None:
         raise error
     return value
 
 
-@dataclass
-class BatchStats:
-    """What the batcher has done, for metrics: batches run, jobs in them, their queue time."""
-
-    batches: int = 0
-    jobs: int = 0
-    forward_passes: int = 0
-    queue_ms: float = 0.0
-    last_batch_jobs: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-
 class Batcher:
-    """Runs jobs on the compute thread, batching those queued together. Jobs with the same key
-    (a session) never share a batch: a session's jobs run in the order they came."""
+    """Runs jobs on the compute thread, batched with every other job running or queued. Jobs
+    with the same key (a session) never run at once: a session's jobs run in the order they
+    came. Counts batches (passes), the calls in them and the time jobs queued, for metrics."""
 
     def __init__(self, compute: ComputeThread, forward_many: ForwardMany, max_jobs: int = 64):
         self.compute, self.forward_many, self.max_jobs = compute, forward_many, max_jobs
         self._queue: list[tuple[Job, Hashable, Future, float]] = []
         self._lock = threading.Lock()
-        self._scheduled = False
-        self.stats = BatchStats()
+        self._running = False
+        self.passes = self.calls = self.jobs = 0
+        self.queue_ms = 0.0
 
     def run(self, job: Job, key: Hashable) -> Any:
-        """Runs `job` with whatever else is queued and returns its value (or raises its error)."""
+        """Runs `job` with whatever else is running and returns its value (or raises its error)."""
         future: Future = Future()
         with self._lock:
             self._queue.append((job, key, future, time.perf_counter()))
-            if not self._scheduled:
-                self._scheduled = True
-                self.compute.submit(self._drain)
+            if not self._running:
+                self._running = True
+                self.compute.submit(self._loop)
         return future.result()
 
-    def _drain(self) -> None:
-        with self._lock:
-            batch, rest, keys = [], [], set()
-            for item in self._queue:
-                if item[1] in keys or len(batch) >= self.max_jobs:
-                    rest.append(item)
-                else:
-                    keys.add(item[1])
-                    batch.append(item)
-            self._queue = rest
-            self._scheduled = bool(rest)
-            if rest:
-                self.compute.submit(self._drain)
-        started = time.perf_counter()
-        passes = 0
+    def _loop(self) -> None:
+        lockstep = Lockstep(self._counted)
+        running: set[Hashable] = set()
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    admitted = self._admit(running)
+                    if not admitted and not lockstep.waiting:
+                        self._running = False
+                        return
+                for job, key, future, queued in admitted:
+                    self.jobs += 1
+                    self.queue_ms += (time.perf_counter() - queued) * 1e3
+                    lockstep.add(job, self._finisher(key, future, running))
+                if lockstep.waiting:
+                    lockstep.step()
 
-        def counted(calls: list[ForwardCall]) -> list[Any]:
-            nonlocal passes
-            passes += 1
-            return self.forward_many(calls)
+    def _admit(self, running: set[Hashable]) -> list[tuple[Job, Hashable, Future, float]]:
+        admitted, kept = [], []
+        for item in self._queue:
+            key = item[1]
+            if key in running or len(running) >= self.max_jobs:
+                kept.append(item)
+            else:
+                running.add(key)
+                admitted.append(item)
+        self._queue = kept
+        return admitted
 
-        outcomes = run_together([job for job, *_ in batch], counted)
-        with self.stats.lock:
-            self.stats.batches += 1
-            self.stats.jobs += len(batch)
-            self.stats.forward_passes += passes
-            self.stats.queue_ms += sum((started - queued) * 1e3 for *_, queued in batch)
-            self.stats.last_batch_jobs = len(batch)
-        for (_, _, future, _), (value, error) in zip(batch, outcomes):
+    @staticmethod
+    def _finisher(key: Hashable, future: Future, running: set[Hashable]) -> Done:
+        def done(value: Any, error: BaseException | None) -> None:
+            running.discard(key)
             if error is not None:
                 future.set_exception(error)
             else:
                 future.set_result(value)
+
+        return done
+
+    def _counted(self, calls: list[ForwardCall]) -> list[Any]:
+        self.passes += 1
+        self.calls += len(calls)
+        return self.forward_many(calls)

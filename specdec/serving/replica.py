@@ -33,9 +33,13 @@ class GrpcReplica:
             "kv_cache_mib": metrics.Gauge("specdec_replica_kv_cache_mib", "KV cache memory of those sessions"),
             "resident_mib": metrics.Gauge("specdec_replica_resident_mib", "resident memory of the replica process"),
         }
+        batch_size = metrics.Gauge("specdec_replica_batch_size", "mean sessions' calls per forward pass, over the last few seconds")
+        queue_ms = metrics.Gauge("specdec_replica_batch_queue_ms", "mean ms a call waited to join a batch, over the last few seconds")
+        before = common_pb2.ModelInfo()
         client, stop = MeasuredClient(f"localhost:{self.port}", service), threading.Event()
 
         def run() -> None:
+            nonlocal before
             while not stop.wait(LOAD_EVERY_S):
                 try:
                     info, _ = client.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=5)
@@ -43,6 +47,10 @@ class GrpcReplica:
                     continue
                 for field, gauge in gauges.items():
                     gauge.set(getattr(info, field))
+                passes, jobs = info.forward_passes - before.forward_passes, info.batched_jobs - before.batched_jobs
+                batch_size.set((info.batched_calls - before.batched_calls) / passes if passes else 0.0)
+                queue_ms.set((info.batch_queue_ms - before.batch_queue_ms) / jobs if jobs else 0.0)
+                before = info
 
         threading.Thread(target=run, name="load-gauges", daemon=True).start()
         self._stop_export = stop

@@ -143,6 +143,7 @@ def start_model_server(add_servicer: Callable[[grpc.Server], None], service: str
         interceptors=(BearerTokenAuth(service, {service_token}, open_methods=("Info",)),) if service_token else (),
         max_message_bytes=int(limits.max_message_mib * 2**20),
         max_calls=SERVICE_CALLS_PER_REQUEST * limits.max_concurrent_requests,
+        max_workers=limits.max_concurrent_requests + 4,  # a handler waits for its batch: one per request in flight
     )
     return server, bound
 

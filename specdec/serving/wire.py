@@ -43,9 +43,9 @@ def sampling_from_proto(message: common_pb2.SamplingParams, field_prefix: str = 
     return Sampling(message.temperature, top_p, message.top_k, message.seed)
 
 
-def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
-    """What a service runs. A drafter without a model (n-gram) reports no tokenizer, vocabulary
-    or context limit: it takes any verifier's token ids."""
+def model_info(engine, model_name: str, batcher=None) -> common_pb2.ModelInfo:
+    """What a service runs, and its load. A drafter without a model (n-gram) reports no
+    tokenizer, vocabulary or context limit: it takes any verifier's token ids."""
     config = engine.model.config if engine.model is not None else None
     return common_pb2.ModelInfo(
         model=model_name,
@@ -62,6 +62,10 @@ def model_info(engine, model_name: str) -> common_pb2.ModelInfo:
         active_sessions=len(engine.sessions),
         kv_cache_mib=engine.sessions.nbytes() / 2**20,
         resident_mib=resident_mib(),
+        forward_passes=batcher.passes if batcher else 0,
+        batched_calls=batcher.calls if batcher else 0,
+        batched_jobs=batcher.jobs if batcher else 0,
+        batch_queue_ms=batcher.queue_ms if batcher else 0.0,
     )
 
 

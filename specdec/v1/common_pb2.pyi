@@ -63,7 +63,7 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "hidden_size", "num_layers", "steering_size", "steering_fingerprint", "feature_size", "feature_fingerprint", "active_sessions", "kv_cache_mib", "resident_mib")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "hidden_size", "num_layers", "steering_size", "steering_fingerprint", "feature_size", "feature_fingerprint", "active_sessions", "kv_cache_mib", "resident_mib", "forward_passes", "batched_calls", "batched_jobs", "batch_queue_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,10 @@ class ModelInfo(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_MIB_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MIB_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -92,7 +96,11 @@ class ModelInfo(_message.Message):
     active_sessions: int
     kv_cache_mib: float
     resident_mib: float
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., steering_size: _Optional[int] = ..., steering_fingerprint: _Optional[str] = ..., feature_size: _Optional[int] = ..., feature_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_cache_mib: _Optional[float] = ..., resident_mib: _Optional[float] = ...) -> None: ...
+    forward_passes: int
+    batched_calls: int
+    batched_jobs: int
+    batch_queue_ms: float
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., steering_size: _Optional[int] = ..., steering_fingerprint: _Optional[str] = ..., feature_size: _Optional[int] = ..., feature_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_cache_mib: _Optional[float] = ..., resident_mib: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ..., batched_jobs: _Optional[int] = ..., batch_queue_ms: _Optional[float] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,160 @@
+"""`specdec bench --concurrency 1,4,8,16,32`: many streams at once through one stack.
+
+At each level, N clients each send one request at the same moment (held-out prompts in turn),
+for each policy in turn on the same prompts: the verifier alone, a fixed speculation plan, and
+the adaptive controller. The services batch the rounds of the sessions that arrive together
+(specdec/core/batching.py). Reports aggregate tokens/s, per-stream latency (p50, p99 of the
+request and of its ms per token) and the passes the verifier ran; checks every greedy output
+against the same prompt decoded alone. Writes JSON rows, a plot and the checks.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def concurrency_policies(tree_method: str, budget: int) -> list[tuple[str, dict]]:
+    from specdec.v1 import common_pb2
+
+    return [
+        ("verifier-alone", {"num_draft_tokens": 0, "adaptive": False}),
+        (f"{tree_method}-{budget}", {"num_draft_tokens": budget, "tree": common_pb2.TreeShape(method=tree_method), "adaptive": False}),
+        ("adaptive", {"adaptive": True}),
+    ]
+
+
+def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tree_method: str, budget: int) -> dict:
+    from specdec.serving.client import CoordinatorClient, generate_request, server_token
+    from specdec.serving.launch import start_stack, stop_stack
+
+    levels = [int(n) for n in args.concurrency.split(",")]
+    limit = config.limits.max_concurrent_requests
+    if max(levels) > limit:
+        raise SystemExit(f"--concurrency {max(levels)} exceeds limits.max_concurrent_requests ({limit}) of the config")
+    policies = concurrency_policies(tree_method, budget)
+    address = args.address or start_stack(app_args, args.port, proxies=False)
+    clients = [CoordinatorClient(address, server_token(config)) for _ in range(max(levels))]
+
+    def request(ids: list[int], fields: dict, length: int = args.max_new_tokens):
+        return generate_request(prompt_token_ids=ids, max_new_tokens=length, **fields)
+
+    rows, mismatches = [], []
+    try:
+        # Each prompt decoded alone (the verifier alone), the reference of every greedy output.
+        reference = [list(clients[0].generate(request(ids, policies[0][1])).token_ids) for ids in tqdm(chat_ids, desc="references")]
+        clients[0].generate(request(chat_ids[0], {"adaptive": True}, 4 * args.max_new_tokens))  # the controller measures its plans
+        for level in tqdm(levels, desc="concurrency", unit="level"):
+            for name, fields in policies:
+                outcomes = [None] * level
+
+                def stream(i: int) -> None:
+                    start = time.perf_counter()
+                    response = clients[i].generate(request(chat_ids[i % len(chat_ids)], fields))
+                    outcomes[i] = (list(response.token_ids), time.perf_counter() - start, response.stats)
+
+                threads = [threading.Thread(target=stream, args=(i,)) for i in range(level)]
+                start = time.perf_counter()
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                wall = time.perf_counter() - start
+                if any(o is None for o in outcomes):
+                    raise RuntimeError(f"a stream failed at concurrency {level}, policy {name} (see the log)")
+                for i, (tokens, _, _) in enumerate(outcomes):
+                    if tokens != reference[i % len(chat_ids)]:
+                        mismatches.append({"concurrency": level, "policy": name, "prompt": i % len(chat_ids)})
+                rows.append(_row(level, name, wall, outcomes))
+    finally:
+        for client in clients:
+            client.close()
+        if not args.address:
+            stop_stack()
+    return {"levels": levels, "policies": [n for n, _ in policies], "results": rows, "mismatches": mismatches,
+            "checks": concurrency_checks(rows, mismatches)}
+
+
+def _row(level: int, policy: str, wall: float, outcomes: list) -> dict:
+    tokens = sum(len(t) for t, _, _ in outcomes)
+    latencies = sorted(s for _, s, _ in outcomes)
+    per_token = sorted(s * 1e3 / max(len(t), 1) for t, s, _ in outcomes)
+    plan_rounds: dict[str, int] = {}
+    for _, _, stats in outcomes:
+        for plan, n in stats.plan_rounds.items():
+            plan_rounds[plan] = plan_rounds.get(plan, 0) + n
+    speculative = sum(s.speculative_rounds for _, _, s in outcomes)
+    return {
+        "concurrency": level,
+        "policy": policy,
+        "tokens_per_second": tokens / wall,
+        "generated_tokens": tokens,
+        "seconds": wall,
+        "request_s": {"p50": _quantile(latencies, 0.5), "p99": _quantile(latencies, 0.99)},
+        "ms_per_token": {"p50": _quantile(per_token, 0.5), "p99": _quantile(per_token, 0.99)},
+        "mean_accepted_per_round": sum(s.accepted_draft_tokens for _, _, s in outcomes) / speculative if speculative else None,
+        "plan_rounds": plan_rounds,
+    }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    return statistics.quantiles(sorted_values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def concurrency_checks(rows: list[dict], mismatches: list[dict]) -> list[dict]:
+    """The bars of the many-sessions issue, evaluated on this run."""
+    at = {(r["concurrency"], r["policy"]): r["tokens_per_second"] for r in rows}
+    levels = sorted({r["concurrency"] for r in rows})
+    checks = [{"check": "greedy outputs equal to each prompt decoded alone", "passed": not mismatches, "mismatches": len(mismatches)}]
+    for policy in sorted({r["policy"] for r in rows}):
+        if (levels[0], policy) in at:
+            scale = at[levels[-1], policy] / at[levels[0], policy]
+            checks.append({"check": f"{policy}: aggregate at {levels[-1]} streams >= 3x at {levels[0]}", "value": scale, "passed": scale >= 3})
+    for level in levels:
+        fixed = max(v for (n, p), v in at.items() if n == level and p != "adaptive")
+        share = at[level, "adaptive"] / fixed
+        checks.append({"check": f"adaptive >= 95% of the best fixed policy at {level} streams", "value": share, "passed": share >= 0.95})
+    return checks
+
+
+def format_concurrency(report: dict) -> str:
+    lines = [f"{'streams':>7}  {'policy':<16} {'tok/s':>7} {'req p50 s':>9} {'req p99 s':>9} {'ms/tok p50':>10} {'ms/tok p99':>10}  plans"]
+    for r in report["results"]:
+        lines.append(
+            f"{r['concurrency']:>7}  {r['policy']:<16} {r['tokens_per_second']:7.1f} {r['request_s']['p50']:9.2f} {r['request_s']['p99']:9.2f} "
+            f"{r['ms_per_token']['p50']:10.1f} {r['ms_per_token']['p99']:10.1f}  {r['plan_rounds']}"
+        )
+    lines += [f"{'PASS' if c['passed'] else 'FAIL'}  {c['check']}" + (f" ({c['value']:.2f})" if "value" in c else "") for c in report["checks"]]
+    return "\n".join(lines)
+
+
+def write_concurrency(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy in report["policies"]:
+        rows = [r for r in report["results"] if r["policy"] == policy]
+        levels = [r["concurrency"] for r in rows]
+        throughput.plot(levels, [r["tokens_per_second"] for r in rows], marker="o", label=policy)
+        line = latency.plot(levels, [r["ms_per_token"]["p50"] for r in rows], marker="o", label=f"{policy} p50")[0]
+        latency.plot(levels, [r["ms_per_token"]["p99"] for r in rows], marker="x", linestyle="--", color=line.get_color(), label=f"{policy} p99")
+    throughput.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="throughput", xscale="log", xticks=report["levels"])
+    latency.set(xlabel="concurrent streams", ylabel="ms per token of a stream", title="per-stream latency", xscale="log", yscale="log", xticks=report["levels"])
+    for axes in (throughput, latency):
+        axes.set_xticklabels([str(n) for n in report["levels"]])
+        axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(figure)
+    return [out, out.with_suffix(".png")]
