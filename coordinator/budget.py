@@ -1,15 +1,23 @@
 """The speculation budget as a measured choice: a cost model over candidate plans, fed by
-every round's measurements (SmartSpec's goodput, extended with the network).
+every round's measurements (SmartSpec's goodput, extended with the network and the batch).
 
-    speculative plan (b draft nodes):  tokens/s = E[accepted + 1 | b] / (T_draft(b) + T_verify(n) + wire)
-    the verifier alone (b = 0):        tokens/s = block / (block * T_verify(1) + wire)
+    speculative plan (b draft nodes):  tokens/s = E[accepted + 1 | b] / (T_draft(b) + T_pass(N * n) + wire)
+    the verifier alone (b = 0):        tokens/s = block / (block * T_pass(N) + wire)
+
+The verifier batches the rounds of the N sessions that reach it together (continuous
+batching), so a round's verify time is that of a pass over every session's tokens. Since all
+requests share this controller, they run alike: with N sessions each feeding n tokens a pass
+holds N * n, and the plan that maximises one session's tokens per second maximises the
+goodput of all of them. Idle (N = 1) this is the plain latency model; under load the cost of
+the extra rows makes speculation give way to the verifier alone.
 
 All inputs are exponential moving averages of what the rounds measured:
 - acceptance: for chains, the profile P(accepted >= d) per depth d, so a chain of 8 also
   teaches what a chain of 2 would accept; for trees, accepted tokens per plan;
 - T_draft per plan;
-- T_verify as a line in n, the tokens one verify call is fed (pending + tree nodes), fitted
-  by exponentially weighted least squares; a fused block costs `block` one-token steps;
+- T_pass as a line in the rows of a pass (all sessions' tokens fed), fitted by exponentially
+  weighted least squares; a fused block costs `block` passes; N, the sessions per pass, as the
+  verifier reports them;
 - wire time per call on each link (round trip, serialization, bandwidth), shared by all plans.
 Every plan is tried once at the start. After that, every `revisit_every` rounds the plan
 measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
@@ -51,6 +59,17 @@ class RoundReport:
     draft_wire_ms: float  # call time not spent computing, per link
     verify_wire_ms: float
     opened: bool = False  # a call (re)opened a session: its times include reading the whole context
+    batch_rows: float = 0.0  # the verifier's passes this round: mean rows of all sessions (0 = not reported: this round's own)
+    batch_sessions: float = 0.0  # and mean sessions sharing them (0 = not reported: 1)
+
+    @property
+    def passes(self) -> int:
+        """Verifier passes the round took: one per token when fused, else one."""
+        return max(self.verified_tokens, 1) if self.plan.budget == 0 else 1
+
+    @property
+    def pass_rows(self) -> float:
+        return self.batch_rows or self.verified_tokens / self.passes
 
 
 class Ema:
@@ -83,7 +102,7 @@ class Ema:
 
 
 class VerifyCostLine:
-    """T_verify(n) = fixed + per_token * n, by exponentially weighted least squares."""
+    """T(n) = fixed + per_token * n, by exponentially weighted least squares."""
 
     def __init__(self, decay: float):
         self.n, self.nn, self.y, self.ny = (Ema(decay) for _ in range(4))
@@ -119,8 +138,8 @@ class BudgetController:
         self.reach: dict[int, Ema] = {}  # chains: depth d -> P(accepted >= d)
         self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}
         self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
-        self.verify_ms = VerifyCostLine(self.COMPUTE_DECAY)
-        self.step_ms = Ema(self.COMPUTE_DECAY)  # fused: one generated token
+        self.pass_ms = VerifyCostLine(self.COMPUTE_DECAY)  # by the rows of the pass, all sessions'
+        self.sessions = Ema(self.WIRE_DECAY)  # per verifier pass: the load, which changes as fast as the network
         self.draft_wire_ms, self.verify_wire_ms = Ema(self.WIRE_DECAY), Ema(self.WIRE_DECAY)
         self.last_round = {p: -1 for p in self.plans}
         self.round = self.last_revisit = 0
@@ -146,11 +165,12 @@ class BudgetController:
         return total
 
     def expected_tokens_per_s(self, plan: Plan) -> float:
+        sessions = self.sessions.get(1.0)
         if plan.budget == 0:
-            step = self.step_ms.get(self.verify_ms(1) or 1.0)
+            step = self.pass_ms(round(sessions)) or 1.0
             return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0)) * 1e3
         accepted = self.expected_accepted(plan)
-        verify = self.verify_ms(plan.budget + 1 + round(accepted)) or 1.0
+        verify = self.pass_ms(round(sessions * (1 + plan.budget))) or 1.0  # fed: the last round's token and the draft
         seconds_ms = self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0)
         return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
 
@@ -174,12 +194,11 @@ class BudgetController:
             plan = report.plan
             if not report.opened:
                 self.verify_wire_ms.add(report.verify_wire_ms)
-                if plan.budget == 0:
-                    self.step_ms.add(report.verify_ms / max(report.verified_tokens, 1))
-                else:
+                self.pass_ms.add(report.pass_rows, report.verify_ms / report.passes)
+                self.sessions.add(report.batch_sessions or 1.0)
+                if plan.budget:
                     self.draft_wire_ms.add(report.draft_wire_ms)
                     self.draft_ms[plan].add(report.draft_ms)
-                    self.verify_ms.add(report.verified_tokens, report.verify_ms)
             if plan.budget == 0:
                 return
             if plan.profiled:

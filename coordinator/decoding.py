@@ -182,7 +182,10 @@ def decode_rounds(
         if draft is None:  # the verifier alone: by plan, with nothing drafted, or without a drafter
             plan, ahead = Plan(0), None
             verdict, verify_call = session.verify(None, fused_tokens=fused)
-            report = RoundReport(plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms, verify_call.opened)
+            report = RoundReport(
+                plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms, verify_call.opened,
+                verdict.batch_rows, verdict.batch_sessions,
+            )
             if not report.opened:
                 costs.observe(1, verify_call.compute_ms, verify_call.overhead_ms, generated=len(verdict.token_ids))
         else:
@@ -203,6 +206,7 @@ def decode_rounds(
             report = RoundReport(
                 plan, verdict.num_accepted_draft_tokens, max(structure.depths(), default=0), 1 + nodes,
                 exposed_draft_ms, verify_call.compute_ms, exposed_wire_ms, verify_call.overhead_ms, verify_call.opened or draft_call.opened,
+                verdict.batch_rows, verdict.batch_sessions,
             )
             if not verify_call.opened:
                 costs.observe(1 + nodes, verify_call.compute_ms, verify_call.overhead_ms)

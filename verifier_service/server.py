@@ -59,6 +59,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             features=common_pb2.Tensor(**result.features) if result.features else None,
             features_start=result.features_start,
             features_ms=result.features_ms,
+            batch_rows=result.batch_rows,
+            batch_sessions=result.batch_sessions,
         )
 
     @reports_errors

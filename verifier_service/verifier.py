@@ -49,6 +49,14 @@ class RoundResult:
     features: dict | None = None  # common.Tensor fields of the committed positions' features, when asked for
     features_start: int = 0  # the position of the first feature row
     features_ms: float = 0.0
+    batch_rows: float = 0.0  # the passes this round ran in: mean rows, and mean sessions sharing them
+    batch_sessions: float = 0.0
+
+
+@dataclass(frozen=True)
+class PassSize:
+    rows: int  # tokens fed by all the sessions in the pass
+    sessions: int
 
 
 @dataclass
@@ -60,6 +68,7 @@ class VerifierSession:
     last_result: RoundResult | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     prompt_length: int = 0  # the leading tokens that were the request's prompt
+    passes: list[PassSize] = field(default_factory=list)  # the passes the running round has been in
 
     @property
     def num_cached(self) -> int:
@@ -118,8 +127,11 @@ class VerifierEngine:
         return run_alone(self.verify_job(session, round_number, tree, fused_tokens, steering, features), self.forward_many)
 
     def forward_many(self, calls: list[ForwardCall]) -> list:
+        """Each call's (output, the size of the pass it shared)."""
         with self._model_lock, torch.inference_mode():
-            return self.engine.forward_many(calls)
+            outputs = self.engine.forward_many(calls)
+        size = PassSize(sum(len(c.input_ids) for c in calls), len(calls))
+        return [(output, size) for output in outputs]
 
     def verify_job(
         self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False, features: bool = False
@@ -150,6 +162,7 @@ class VerifierEngine:
                 )
             check_kv_room(len(session.tokens) + len(tree) + max(fused_tokens, 1), self.kv_bytes_per_token, self.limits)
             start = time.perf_counter()
+            session.passes = []
             features_start = session.num_cached
             hidden = steering or features
             if len(tree) == 0:
@@ -167,15 +180,19 @@ class VerifierEngine:
                 features_ms = (time.perf_counter() - features_begun) * 1e3
             compute_ms = (time.perf_counter() - start) * 1e3
             session.tokens.extend(new_tokens)
+            passes = max(len(session.passes), 1)
             result = RoundResult(
-                new_tokens, num_accepted, len(session.tokens), compute_ms, vector, steering_ms, fused, features_start, features_ms
+                new_tokens, num_accepted, len(session.tokens), compute_ms, vector, steering_ms, fused, features_start, features_ms,
+                sum(p.rows for p in session.passes) / passes, sum(p.sessions for p in session.passes) / passes,
             )
             session.last_round, session.last_result = round_number, result
             return result
 
     def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, hidden: bool, **masking) -> Job:
         """(logits of the last num_logits positions, hidden states of every layer or None)."""
-        return (yield ForwardCall(session.cache, input_ids, num_logits, hidden_states=hidden, **masking))
+        output, size = yield ForwardCall(session.cache, input_ids, num_logits, hidden_states=hidden, **masking)
+        session.passes.append(size)
+        return output
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor, position: int) -> int:
         if session.sampling.greedy:
@@ -235,7 +252,8 @@ class VerifierEngine:
         count = session.prompt_length - 1
         if session.num_cached or count < 1:
             return None
-        _, states = yield ForwardCall(session.cache, session.tokens[:count], 1, hidden_states=hidden, prefill=True)
+        (_, states), size = yield ForwardCall(session.cache, session.tokens[:count], 1, hidden_states=hidden, prefill=True)
+        session.passes.append(size)
         return states
 
 
