@@ -19,8 +19,8 @@ All inputs are exponential moving averages of what the rounds measured:
   weighted least squares; a fused block costs `block` passes; N, the sessions per pass, as the
   verifier reports them;
 - wire time per call on each link (round trip, serialization, bandwidth), shared by all plans.
-Every plan is tried once at the start. After that, every `revisit_every` rounds the plan
-measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
+Every plan is tried once at the start. After that, every `revisit_every` rounds (times the
+sessions per pass) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
 estimate already follows the network, and the revisits refresh the rest (the drafter link's
 time while the verifier alone was winning, and slowly drifting acceptance).
 """
@@ -179,7 +179,9 @@ class BudgetController:
             self.round += 1
             stale = min(self.plans, key=lambda p: self.last_round[p])
             unmeasured = self.last_round[stale] < 0
-            if unmeasured or self.round - self.last_revisit >= self.revisit_every:
+            # N sessions make rounds N times as often, and a revisit under load slows them all:
+            # revisits come N times fewer rounds apart.
+            if unmeasured or self.round - self.last_revisit >= self.revisit_every * self.sessions.get(1.0):
                 choice, self.last_revisit = stale, self.round
             else:
                 choice = max(self.plans, key=self.expected_tokens_per_s)

@@ -1,7 +1,8 @@
 """`specdec bench --concurrency 1,4,8,16,32`: many streams at once through one stack.
 
-At each level, N clients each send one request at the same moment (held-out prompts in turn),
-for each policy in turn on the same prompts: the verifier alone, a fixed speculation plan, and
+At each level, N clients send requests at the same moment (held-out prompts in turn; at low
+levels each client sends several in a row, so that every level measures at least
+--num-prompts requests), for each policy in turn on the same prompts: the verifier alone, a fixed speculation plan, and
 the adaptive controller. The services batch the rounds of the sessions that arrive together
 (specdec/core/batching.py). Reports aggregate tokens/s, per-stream latency (p50, p99 of the
 request and of its ms per token) and the passes the verifier ran; checks every greedy output
@@ -50,12 +51,14 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
         clients[0].generate(request(chat_ids[0], {"adaptive": True}, 4 * args.max_new_tokens))  # the controller measures its plans
         for level in tqdm(levels, desc="concurrency", unit="level"):
             for name, fields in policies:
-                outcomes = [None] * level
+                repeats = -(-len(chat_ids) // level)  # requests per client
+                outcomes = [None] * (level * repeats)
 
                 def stream(i: int) -> None:
-                    start = time.perf_counter()
-                    response = clients[i].generate(request(chat_ids[i % len(chat_ids)], fields))
-                    outcomes[i] = (list(response.token_ids), time.perf_counter() - start, response.stats)
+                    for j in range(i, len(outcomes), level):
+                        start = time.perf_counter()
+                        response = clients[i].generate(request(chat_ids[j % len(chat_ids)], fields))
+                        outcomes[j] = (list(response.token_ids), time.perf_counter() - start, response.stats)
 
                 threads = [threading.Thread(target=stream, args=(i,)) for i in range(level)]
                 start = time.perf_counter()
