@@ -15,9 +15,9 @@ All inputs are exponential moving averages of what the rounds measured:
 - acceptance: for chains, the profile P(accepted >= d) per depth d, so a chain of 8 also
   teaches what a chain of 2 would accept; for trees, accepted tokens per plan;
 - T_draft per plan;
-- T_pass as a line in the rows of a pass (all sessions' tokens fed), fitted by exponentially
-  weighted least squares; a fused block costs `block` passes; N, the sessions per pass, as the
-  verifier reports them;
+- T_pass by the rows of a pass (all sessions' tokens fed), piecewise linear over what was
+  measured; a fused block costs `block` passes; N, the sessions per pass, as the verifier
+  reports them;
 - wire time per call on each link (round trip, serialization, bandwidth), shared by all plans.
 Every plan is tried once at the start. After that, every `revisit_every` rounds (times the
 sessions per pass) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
@@ -101,24 +101,34 @@ class Ema:
         return default if value is None else value
 
 
-class VerifyCostLine:
-    """T(n) = fixed + per_token * n, by exponentially weighted least squares."""
+class PassCost:
+    """T(rows), the time of a verifier pass over `rows` tokens of all sessions: an EMA of rows
+    and of ms per power-of-two bucket of rows, joined by straight lines and extended past
+    both ends by the nearest line. Not one line for all: a pass costs ~0.5 ms per extra row of
+    one session's tree but ~1.5 ms per row of many sessions (each row reads its own cache), and
+    a line fitted to the narrow range of one load flattened out, pricing speculation for 32
+    sessions like the verifier alone. One bucket measured: flat (optimistic, so that larger
+    passes get tried and measured)."""
 
     def __init__(self, decay: float):
-        self.n, self.nn, self.y, self.ny = (Ema(decay) for _ in range(4))
+        self.decay = decay
+        self.buckets: dict[int, tuple[Ema, Ema]] = {}
 
-    def add(self, n: int, ms: float) -> None:
-        for ema, x in ((self.n, n), (self.nn, n * n), (self.y, ms), (self.ny, n * ms)):
-            ema.add(x)
+    def add(self, rows: float, ms: float) -> None:
+        rows_ema, ms_ema = self.buckets.setdefault(max(round(rows), 1).bit_length(), (Ema(self.decay), Ema(self.decay)))
+        rows_ema.add(rows)
+        ms_ema.add(ms)
 
-    def __call__(self, n: int) -> float | None:
-        if self.y.value is None:
+    def __call__(self, rows: float) -> float | None:
+        points = sorted((r.value, m.value) for r, m in self.buckets.values())
+        if not points:
             return None
-        variance = self.nn.value - self.n.value**2
-        if variance < 0.25:  # one call size seen so far: assume the cost is flat in n
-            return self.y.value
-        slope = max((self.ny.value - self.n.value * self.y.value) / variance, 0.0)
-        return max(self.y.value + slope * (n - self.n.value), 1e-3)
+        if len(points) == 1:
+            return points[0][1]
+        index = min(max(sum(x <= rows for x, _ in points), 1), len(points) - 1)
+        (x0, y0), (x1, y1) = points[index - 1], points[index]
+        slope = max((y1 - y0) / (x1 - x0), 0.0) if x1 > x0 else 0.0
+        return max(y0 + slope * (rows - x0), 1e-3)
 
 
 class BudgetController:
@@ -138,7 +148,7 @@ class BudgetController:
         self.reach: dict[int, Ema] = {}  # chains: depth d -> P(accepted >= d)
         self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}
         self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
-        self.pass_ms = VerifyCostLine(self.COMPUTE_DECAY)  # by the rows of the pass, all sessions'
+        self.pass_ms = PassCost(self.COMPUTE_DECAY)  # by the rows of the pass, all sessions'
         self.sessions = Ema(self.WIRE_DECAY)  # per verifier pass: the load, which changes as fast as the network
         self.draft_wire_ms, self.verify_wire_ms = Ema(self.WIRE_DECAY), Ema(self.WIRE_DECAY)
         self.last_round = {p: -1 for p in self.plans}
