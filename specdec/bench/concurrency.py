@@ -2,11 +2,12 @@
 
 At each level, N clients send requests at the same moment (held-out prompts in turn; at low
 levels each client sends several in a row, so that every level measures at least
---num-prompts requests), for each policy in turn on the same prompts: the verifier alone, a fixed speculation plan, and
-the adaptive controller. The services batch the rounds of the sessions that arrive together
-(specdec/core/batching.py). Reports aggregate tokens/s, per-stream latency (p50, p99 of the
-request and of its ms per token) and the passes the verifier ran; checks every greedy output
-against the same prompt decoded alone. Writes JSON rows, a plot and the checks.
+--num-prompts requests): a burst. The policies take turns, --concurrency-repeats bursts each:
+the verifier alone, a fixed speculation plan and the adaptive controller. The services batch
+the rounds of the sessions that arrive together (specdec/core/batching.py). Reports aggregate
+tokens/s, per-stream latency (p50, p99 of the request and of its ms per token) and the plans
+run; checks every greedy output against the same prompt decoded alone. Writes JSON rows, a
+plot and the checks.
 """
 from __future__ import annotations
 
@@ -50,29 +51,18 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
         reference = [list(clients[0].generate(request(ids, policies[0][1])).token_ids) for ids in tqdm(chat_ids, desc="references")]
         clients[0].generate(request(chat_ids[0], {"adaptive": True}, 4 * args.max_new_tokens))  # the controller measures its plans
         for level in tqdm(levels, desc="concurrency", unit="level"):
-            for name, fields in policies:
-                repeats = -(-len(chat_ids) // level)  # requests per client
-                outcomes = [None] * (level * repeats)
-
-                def stream(i: int) -> None:
-                    for j in range(i, len(outcomes), level):
-                        start = time.perf_counter()
-                        response = clients[i].generate(request(chat_ids[j % len(chat_ids)], fields))
-                        outcomes[j] = (list(response.token_ids), time.perf_counter() - start, response.stats)
-
-                threads = [threading.Thread(target=stream, args=(i,)) for i in range(level)]
-                start = time.perf_counter()
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-                wall = time.perf_counter() - start
-                if any(o is None for o in outcomes):
-                    raise RuntimeError(f"a stream failed at concurrency {level}, policy {name} (see the log)")
-                for i, (tokens, _, _) in enumerate(outcomes):
-                    if tokens != reference[i % len(chat_ids)]:
-                        mismatches.append({"concurrency": level, "policy": name, "prompt": i % len(chat_ids)})
-                rows.append(_row(level, name, wall, outcomes))
+            per_client = -(-len(chat_ids) // level)  # requests per client
+            measured = {name: ([], 0.0) for name, _ in policies}
+            for _ in range(args.concurrency_repeats):  # the policies take turns, so drift hits all alike
+                for name, fields in policies:
+                    outcomes, wall = _burst(clients[:level], [chat_ids[j % len(chat_ids)] for j in range(level * per_client)],
+                                            lambda ids, f=fields: request(ids, f))
+                    for j, (tokens, _, _) in enumerate(outcomes):
+                        if tokens != reference[j % len(chat_ids)]:
+                            mismatches.append({"concurrency": level, "policy": name, "prompt": j % len(chat_ids)})
+                    before, seconds = measured[name]
+                    measured[name] = (before + outcomes, seconds + wall)
+            rows += [_row(level, name, seconds, outcomes) for name, (outcomes, seconds) in measured.items()]
     finally:
         for client in clients:
             client.close()
@@ -80,6 +70,28 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
             stop_stack()
     return {"levels": levels, "policies": [n for n, _ in policies], "results": rows, "mismatches": mismatches,
             "checks": concurrency_checks(rows, mismatches)}
+
+
+def _burst(clients: list, prompts: list[list[int]], request) -> tuple[list, float]:
+    """The prompts sent by all clients at once (client i sends prompts i, i + N, ...); each
+    request's (token ids, seconds, stats), and the wall time of the whole burst."""
+    outcomes = [None] * len(prompts)
+
+    def stream(i: int) -> None:
+        for j in range(i, len(prompts), len(clients)):
+            start = time.perf_counter()
+            response = clients[i].generate(request(prompts[j]))
+            outcomes[j] = (list(response.token_ids), time.perf_counter() - start, response.stats)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(clients))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if any(o is None for o in outcomes):
+        raise RuntimeError(f"a stream failed at concurrency {len(clients)} (see the log)")
+    return outcomes, time.perf_counter() - start
 
 
 def _row(level: int, policy: str, wall: float, outcomes: list) -> dict:
