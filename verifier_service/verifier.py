@@ -164,19 +164,23 @@ class VerifierEngine:
             start = time.perf_counter()
             session.passes = []
             features_start = session.num_cached
-            hidden = steering or features
+            # The residual-stream depths the round reads: all of them to steer, the fused three for features.
+            depths = tuple(range(self.model.config.num_hidden_layers + 1)) if steering else tuple(self.fuse.layers) if features else ()
             if len(tree) == 0:
-                new_tokens, read = yield from self._generate(session, max(fused_tokens, 1), hidden)
+                new_tokens, read = yield from self._generate(session, max(fused_tokens, 1), depths)
                 num_accepted = 0
             else:
-                new_tokens, read = yield from self._verify_tree(session, tree, hidden)
+                new_tokens, read = yield from self._verify_tree(session, tree, depths)
                 num_accepted = len(new_tokens) - 1
             with torch.inference_mode():
                 steering_start = time.perf_counter()
                 vector = vector_to_tensor_fields(self.steering(_at(read, -1))) if steering else None
                 steering_ms = (time.perf_counter() - steering_start) * 1e3
                 features_begun = time.perf_counter()
-                fused = vector_to_tensor_fields(self.fuse(read)) if features else None
+                if features:
+                    fused = vector_to_tensor_fields(self.fuse.fuse_depths(torch.stack([read[depths.index(i)] for i in self.fuse.layers], dim=-2)))
+                else:
+                    fused = None
                 features_ms = (time.perf_counter() - features_begun) * 1e3
             compute_ms = (time.perf_counter() - start) * 1e3
             session.tokens.extend(new_tokens)
@@ -188,39 +192,39 @@ class VerifierEngine:
             session.last_round, session.last_result = round_number, result
             return result
 
-    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, hidden: bool, **masking) -> Job:
-        """(logits of the last num_logits positions, hidden states of every layer or None)."""
-        output, size = yield ForwardCall(session.cache, input_ids, num_logits, hidden_states=hidden, **masking)
+    def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, depths: tuple[int, ...], **masking) -> Job:
+        """(logits of the last num_logits positions, the hidden states at `depths` (indices into
+        transformers' output_hidden_states) or None without depths)."""
+        (logits, states), size = yield ForwardCall(session.cache, input_ids, num_logits, hidden_states=bool(depths), **masking)
         session.passes.append(size)
-        return output
+        return logits, tuple(states[i] for i in depths) if depths else None
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor, position: int) -> int:
         if session.sampling.greedy:
             return int(logits.argmax())
         return sample(warp_probs(logits, session.sampling), position_generator(session.sampling.seed, position))
 
-    def _generate(self, session: VerifierSession, max_tokens: int, hidden: bool) -> Job:
-        """The new tokens, and (with `hidden`) every layer's hidden states at the positions read,
-        all of which are committed."""
+    def _generate(self, session: VerifierSession, max_tokens: int, depths: tuple[int, ...]) -> Job:
+        """The new tokens, and the hidden states at `depths` of the positions read, all of which
+        are committed (None without depths)."""
         new: list[int] = []
-        prefilled = yield from self._prefill(session, hidden)
+        prefilled = yield from self._prefill(session, depths)
         read = [tuple(h[0] for h in prefilled)] if prefilled else []
         pending = session.tokens[session.num_cached :]
         for _ in range(max_tokens):
-            logits, states = yield from self._forward(session, pending, 1, hidden)
-            if hidden:
+            logits, states = yield from self._forward(session, pending, 1, depths)
+            if depths:
                 read.append(tuple(h[0] for h in states))
             token = self._choose(session, logits[-1], len(session.tokens) + len(new))
             new.append(token)
             if token in self.eos_ids:
                 break
             pending = [token]
-        return new, tuple(torch.cat(layer) for layer in zip(*read)) if hidden else None
+        return new, tuple(torch.cat(layer) for layer in zip(*read)) if depths else None
 
-    def _verify_tree(self, session: VerifierSession, tree: DraftTree, hidden: bool) -> Job:
-        """The new tokens, and (with `hidden`) every layer's hidden states at the positions
-        committed: the pending tokens and the accepted path; the last one gave the new token."""
-        prefilled = yield from self._prefill(session, hidden)
+    def _verify_tree(self, session: VerifierSession, tree: DraftTree, depths: tuple[int, ...]) -> Job:
+        """The new tokens, and the hidden states at `depths` of the positions committed: the pending tokens and the accepted path; the last one gave the new token."""
+        prefilled = yield from self._prefill(session, depths)
         num_cached = session.num_cached
         pending = session.tokens[num_cached:]
         positions, mask = verification_inputs(tree, num_cached, len(pending))
@@ -228,7 +232,7 @@ class VerifierEngine:
             session,
             pending + tree.token_ids,
             len(tree) + 1,
-            hidden,
+            depths,
             position_ids=positions,
             attention_mask=mask,
         )
@@ -245,16 +249,16 @@ class VerifierEngine:
             read = tuple(torch.cat([before[0], after]) for before, after in zip(prefilled, read))
         return [tree.token_ids[node] for node in path] + [next_token], read
 
-    def _prefill(self, session: VerifierSession, hidden: bool) -> Job:
+    def _prefill(self, session: VerifierSession, depths: tuple[int, ...]) -> Job:
         """Feeds the prompt but its last token into a new session's cache in one fast pass (the
         same pass whichever way the session decodes); returns that pass's hidden states when
         asked for, else None."""
         count = session.prompt_length - 1
         if session.num_cached or count < 1:
             return None
-        (_, states), size = yield ForwardCall(session.cache, session.tokens[:count], 1, hidden_states=hidden, prefill=True)
+        (_, states), size = yield ForwardCall(session.cache, session.tokens[:count], 1, hidden_states=bool(depths), prefill=True)
         session.passes.append(size)
-        return states
+        return tuple(states[i] for i in depths) if depths else None
 
 
 def _at(hidden_states: tuple, position: int) -> tuple:
