@@ -181,6 +181,20 @@ def test_sequences_batched_in_one_pass_get_what_each_gets_alone(tiny_model, kern
         assert torch.equal(cache.values[:, :, : cache.length], alone_cache.values[:, :, : cache.length])
 
 
+def test_only_the_depths_asked_for_are_kept(tiny_model, kernels):
+    """A verifier reading features needs 3 of the residual stream's depths: asked for as a
+    tuple, the engine keeps those alone, in that order, equal to the full set's."""
+    model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()
+    quantize_linears(model)
+    engine = LlamaEngine(model)
+    last = model.config.num_hidden_layers
+    with torch.inference_mode():
+        _, every = engine(engine.new_cache(), [1, 5, 7, 3], 1, hidden_states=True)
+        _, some = engine(engine.new_cache(), [1, 5, 7, 3], 1, hidden_states=(last, 0, 1))
+    assert len(every) == last + 1 and len(some) == 3
+    assert all(torch.equal(s, every[d]) for s, d in zip(some, (last, 0, 1)))
+
+
 def test_native_prefill_equals_feeding_the_prompt_in_parts(tiny_model):
     """With the native layers a prompt's prefill is batch-invariant like every other pass."""
     model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()

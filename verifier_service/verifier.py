@@ -195,9 +195,9 @@ class VerifierEngine:
     def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, depths: tuple[int, ...], **masking) -> Job:
         """(logits of the last num_logits positions, the hidden states at `depths` (indices into
         transformers' output_hidden_states) or None without depths)."""
-        (logits, states), size = yield ForwardCall(session.cache, input_ids, num_logits, hidden_states=bool(depths), **masking)
+        output, size = yield ForwardCall(session.cache, input_ids, num_logits, hidden_states=depths, **masking)
         session.passes.append(size)
-        return logits, tuple(states[i] for i in depths) if depths else None
+        return output
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor, position: int) -> int:
         if session.sampling.greedy:
@@ -256,9 +256,9 @@ class VerifierEngine:
         count = session.prompt_length - 1
         if session.num_cached or count < 1:
             return None
-        (_, states), size = yield ForwardCall(session.cache, session.tokens[:count], 1, hidden_states=bool(depths), prefill=True)
+        (_, states), size = yield ForwardCall(session.cache, session.tokens[:count], 1, hidden_states=depths, prefill=True)
         session.passes.append(size)
-        return tuple(states[i] for i in depths) if depths else None
+        return states
 
 
 def _at(hidden_states: tuple, position: int) -> tuple:

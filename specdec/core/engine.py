@@ -140,8 +140,16 @@ class ForwardCall:
     num_logits: int = 1
     position_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
-    hidden_states: bool = False
+    hidden_states: bool | tuple[int, ...] = False  # True: every depth; a tuple: those depths, in that order
     prefill: bool = False
+
+
+def depths_of(hidden_states: bool | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The residual-stream depths asked for (indices into transformers' output_hidden_states:
+    0 = the embeddings, num_layers = after the final norm)."""
+    if hidden_states is True:
+        return tuple(range(num_layers + 1))
+    return tuple(hidden_states or ())
 
 
 class NativeLayer:
@@ -277,12 +285,12 @@ class LlamaEngine(torch.nn.Module):
         num_logits: int = 1,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        hidden_states: bool = False,
+        hidden_states: bool | tuple[int, ...] = False,
         prefill: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Feeds `input_ids` after the cached tokens: (logits of the last `num_logits` positions,
         float32; the residual stream after each layer as transformers' output_hidden_states
-        gives it, or None). Without a mask every token sees the cache and the tokens before it.
+        gives it, or None; `hidden_states` a tuple of depths: only those, in that order). Without a mask every token sees the cache and the tokens before it.
         `prefill` (an empty cache, no mask) lets the torch-ops path run torch's attention kernels:
         many times faster on long prompts, but a token's result then depends on the pass, so only
         a prefix that every way of decoding feeds in the same single pass may take it (a
@@ -312,23 +320,25 @@ class LlamaEngine(torch.nn.Module):
         x = self.embed(torch.tensor([t for c in calls for t in c.input_ids]))
         cos, sin = self.rotary_rows(positions)
         masks = [None if c.attention_mask is None else c.attention_mask[0, 0] for c in calls]
-        keep = [x] if any(c.hidden_states for c in calls) else None
+        depths = [depths_of(c.hidden_states, len(self.layers)) for c in calls]
+        wanted = set().union(*depths)
+        keep = {0: x} if 0 in wanted else {}  # depth -> the residual stream there, all rows
         for index, layer in enumerate(self.native_layers):
             delta = self.up_delta(index) if self.up_delta is not None else None
             x = layer(x, cos, sin, [c.cache.keys[index] for c in calls], [c.cache.values[index] for c in calls], starts, counts, masks,
                       self.num_heads, delta)
-            if keep is not None:
-                keep.append(x)
+            if index + 1 in wanted:
+                keep[index + 1] = x
         normed = self.norm(x)
-        if keep is not None:
-            keep[-1] = normed
+        if len(self.layers) in wanted:
+            keep[len(self.layers)] = normed
         ends = torch.tensor(counts).cumsum(0).tolist()
         rows = torch.cat([torch.arange(end - c.num_logits, end) for c, end in zip(calls, ends)])
         logits = self.lm_head(normed[rows]).float().split([c.num_logits for c in calls])
         results = []
-        for call, start, count, end, call_logits in zip(calls, starts, counts, ends, logits):
+        for call, start, count, end, call_logits, call_depths in zip(calls, starts, counts, ends, logits, depths):
             call.cache.length = start + count
-            states = tuple(h[end - count : end][None] for h in keep) if call.hidden_states else None
+            states = tuple(keep[d][end - count : end][None] for d in call_depths) if call_depths else None
             results.append((call_logits, states))
         return results
 
@@ -340,7 +350,8 @@ class LlamaEngine(torch.nn.Module):
         cos, sin = cos[:, None], sin[:, None]  # (count, 1, head_dim): one row per token
         mask = None if call.attention_mask is None else call.attention_mask[0, 0].to(self.device)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        keep = [x[None]] if call.hidden_states else None
+        depths = depths_of(call.hidden_states, len(self.layers))
+        keep = [x[None]] if depths else None
         for index, block in enumerate(self.layers):
             delta = self.up_delta(index) if self.up_delta is not None else None
             qkv = block.qkv(block.input_norm(x))
@@ -372,7 +383,7 @@ class LlamaEngine(torch.nn.Module):
         if keep is not None:
             keep[-1] = normed[None]
         logits = self.lm_head(normed[-call.num_logits :])
-        return logits.float(), None if keep is None else tuple(keep)
+        return logits.float(), None if keep is None else tuple(keep[d] for d in depths)
 
     def _attend(self, q, keys, values, start: int, count: int, mask: torch.Tensor | None) -> torch.Tensor:
         kernels = self._native_attention()
@@ -428,7 +439,7 @@ class TransformersEngine:
         num_logits: int = 1,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        hidden_states: bool = False,
+        hidden_states: bool | tuple[int, ...] = False,
         prefill: bool = False,  # transformers' forward is its own prefill
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         device = self.model.device
@@ -437,11 +448,12 @@ class TransformersEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=num_logits,
-            output_hidden_states=hidden_states,
+            output_hidden_states=bool(hidden_states),
             position_ids=None if position_ids is None else position_ids.to(device),
             attention_mask=None if attention_mask is None else attention_mask.to(device),
         )
-        return out.logits[0].float(), out.hidden_states
+        depths = depths_of(hidden_states, self.model.config.num_hidden_layers)
+        return out.logits[0].float(), tuple(out.hidden_states[d] for d in depths) if depths else None
 
     def forward_many(self, calls: list[ForwardCall]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]]:
         """One after another: transformers' kernels would change a sequence's sums with the batch."""
