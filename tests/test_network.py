@@ -120,3 +120,21 @@ def test_sweep_policies_and_checks_compare_like_with_like():
     assert check["fixed_overlap_on_vs_off"] == {"chain-4+overlap": pytest.approx(1.2)}
     table = format_sweep({"results": [{**r, "mean_accepted_per_round": None, "mean_budget": 0.0, "overlap_hits": 0} for r in rows], "checks": [check]})
     assert "| 20 | 0 | fused | 0.96 | 0.96 | 0.94 | chain-4: 1.20 |" in table
+
+
+def test_concurrency_checks_read_scaling_adaptive_share_and_exactness():
+    """The concurrency bench's bars, on rows as `specdec bench --concurrency` writes them."""
+    from specdec.bench.concurrency import concurrency_checks, format_concurrency
+
+    rows = [
+        {"concurrency": n, "policy": p, "tokens_per_second": tps, "request_s": {"p50": 1.0, "p99": 2.0},
+         "ms_per_token": {"p50": 10.0, "p99": 20.0}, "plan_rounds": {"fused": 8}}
+        for n, p, tps in [(1, "verifier-alone", 100.0), (1, "adaptive", 96.0), (32, "verifier-alone", 310.0), (32, "adaptive", 250.0)]
+    ]
+    checks = {c["check"]: c for c in concurrency_checks(rows, mismatches=[{"concurrency": 32, "policy": "adaptive", "prompt": 0}])}
+    assert not checks["greedy outputs equal to each prompt decoded alone"]["passed"]
+    assert checks["verifier-alone: aggregate at 32 streams >= 3x at 1"]["passed"]
+    assert not checks["adaptive: aggregate at 32 streams >= 3x at 1"]["passed"]
+    assert checks["adaptive >= 95% of the best fixed policy at 1 streams"]["passed"]
+    assert checks["adaptive >= 95% of the best fixed policy at 32 streams"]["value"] == pytest.approx(250 / 310)
+    assert "FAIL  adaptive >= 95% of the best fixed policy at 32 streams (0.81)" in format_concurrency({"results": rows, "checks": list(checks.values())})

@@ -172,16 +172,16 @@ class VerifierEngine:
             else:
                 new_tokens, read = yield from self._verify_tree(session, tree, depths)
                 num_accepted = len(new_tokens) - 1
-            with torch.inference_mode():
-                steering_start = time.perf_counter()
-                vector = vector_to_tensor_fields(self.steering(_at(read, -1))) if steering else None
-                steering_ms = (time.perf_counter() - steering_start) * 1e3
-                features_begun = time.perf_counter()
-                if features:
-                    fused = vector_to_tensor_fields(self.fuse.fuse_depths(torch.stack([read[depths.index(i)] for i in self.fuse.layers], dim=-2)))
-                else:
-                    fused = None
-                features_ms = (time.perf_counter() - features_begun) * 1e3
+            # (Jobs run under inference mode: run_alone and the Batcher see to it.)
+            steering_start = time.perf_counter()
+            vector = vector_to_tensor_fields(self.steering(_at(read, -1))) if steering else None
+            steering_ms = (time.perf_counter() - steering_start) * 1e3
+            features_begun = time.perf_counter()
+            if features:
+                fused = vector_to_tensor_fields(self.fuse.fuse_depths(torch.stack([read[depths.index(i)] for i in self.fuse.layers], dim=-2)))
+            else:
+                fused = None
+            features_ms = (time.perf_counter() - features_begun) * 1e3
             compute_ms = (time.perf_counter() - start) * 1e3
             session.tokens.extend(new_tokens)
             passes = max(len(session.passes), 1)

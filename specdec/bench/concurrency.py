@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specdec.bench.network import summed_plan_rounds
+
 
 def concurrency_policies(tree_method: str, budget: int) -> list[tuple[str, dict]]:
     from specdec.v1 import common_pb2
@@ -98,10 +100,6 @@ def _row(level: int, policy: str, wall: float, outcomes: list) -> dict:
     tokens = sum(len(t) for t, _, _ in outcomes)
     latencies = sorted(s for _, s, _ in outcomes)
     per_token = sorted(s * 1e3 / max(len(t), 1) for t, s, _ in outcomes)
-    plan_rounds: dict[str, int] = {}
-    for _, _, stats in outcomes:
-        for plan, n in stats.plan_rounds.items():
-            plan_rounds[plan] = plan_rounds.get(plan, 0) + n
     speculative = sum(s.speculative_rounds for _, _, s in outcomes)
     return {
         "concurrency": level,
@@ -112,7 +110,7 @@ def _row(level: int, policy: str, wall: float, outcomes: list) -> dict:
         "request_s": {"p50": _quantile(latencies, 0.5), "p99": _quantile(latencies, 0.99)},
         "ms_per_token": {"p50": _quantile(per_token, 0.5), "p99": _quantile(per_token, 0.99)},
         "mean_accepted_per_round": sum(s.accepted_draft_tokens for _, _, s in outcomes) / speculative if speculative else None,
-        "plan_rounds": plan_rounds,
+        "plan_rounds": summed_plan_rounds([s for _, _, s in outcomes]),
     }
 
 

@@ -84,10 +84,7 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
 def _row(rtt: float, policy: str, temperature: float, tokens: int, seconds: float, stats: list) -> dict:
     rounds = sum(s.rounds for s in stats)
     total_ms = sum(s.total_ms for s in stats)
-    plan_rounds: dict[str, int] = {}
-    for s in stats:
-        for plan, n in s.plan_rounds.items():
-            plan_rounds[plan] = plan_rounds.get(plan, 0) + n
+    plan_rounds = summed_plan_rounds(stats)
     speculative = sum(s.rounds for s in stats) - plan_rounds.get("fused", 0)
     return {
         "rtt_ms": rtt,
@@ -110,6 +107,15 @@ def _row(rtt: float, policy: str, temperature: float, tokens: int, seconds: floa
         "wire_share": sum(s.wire_serialization_ms for s in stats) / total_ms if total_ms else None,
         "bytes_per_round": sum(s.bytes_sent + s.bytes_received for s in stats) / rounds if rounds else None,
     }
+
+
+def summed_plan_rounds(stats: list) -> dict[str, int]:
+    """Rounds per plan over several requests' RoundStats."""
+    total: dict[str, int] = {}
+    for s in stats:
+        for plan, n in s.plan_rounds.items():
+            total[plan] = total.get(plan, 0) + n
+    return total
 
 
 def sweep_checks(rows: list[dict]) -> list[dict]:
