@@ -42,7 +42,7 @@ def test_adaptive_with_overlap_is_token_identical_to_generate(overlap_stack, tin
 
 
 def test_a_drafter_that_guesses_right_skips_its_wait(tiny_dirs, tiny_verifier):
-    config = tiny_config(tiny_dirs, overlap=True)
+    config = tiny_config(tiny_dirs, overlap=True, tree={"method": "chain"})
     config["drafter"]["model"] = str(tiny_dirs["verifier"])  # every draft accepted, every guess right
     with local_stack(config) as stack:
         client = CoordinatorClient(stack["coordinator"])

@@ -71,7 +71,8 @@ def steer_config(dirs, steering: str | None = "steering", **coordinator) -> dict
 
 @pytest.fixture(scope="module")
 def steered_stack(steer_dirs):
-    with local_stack(steer_config(steer_dirs)) as stack:
+    # chains: one steering vector per draft request is what the byte count below expects
+    with local_stack(steer_config(steer_dirs, tree={"method": "chain"})) as stack:
         yield stack
 
 

@@ -110,7 +110,7 @@ MAX_DRAFT_NODES = 64  # the largest node budget of one draft, unless limits.max_
 class TreeShape:
     """How a drafter spends its node budget (see common.proto TreeShape)."""
 
-    method: str = "chain"
+    method: str = "dynamic"  # EAGLE-2: the best plan measured on the default pair (docs/benchmark.md)
     branching: list[int] = field(default_factory=lambda: [4, 2, 2])  # static, rsd-c
     width: int = 4  # dynamic: expanded per depth and children each; rsd-s: beam width; lattice: tokens per depth
     max_depth: int = 0  # the deepest level drafted; 0 = as deep as the budget allows
