@@ -1,24 +1,20 @@
-"""The coordinator's view of the two services: measured gRPC calls, session (re)opening and
-one retry of an idempotent round."""
+"""The coordinator's view of the two services: their replicas and which holds each session,
+measured gRPC calls, session (re)opening, and retries of an idempotent round."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
 from specdec.core.tree import TreeShape
-from specdec.serving.rpc import (
-    MAX_MESSAGE_BYTES,
-    CallCost,
-    InProcessClient,
-    MeasuredClient,
-    ServiceError,
-)
-from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE, shape_to_proto
+from specdec.serving.rpc import CallCost, ServiceError
+from specdec.serving.wire import shape_to_proto
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -52,27 +48,146 @@ class ServiceCall:
         return max(self.cost.total_ms - self.compute_ms, 0.0)
 
 
-class ServicePair:
+class Replicas:
+    """The replicas of one service as this coordinator sees them, and which one holds each
+    session. A new session goes to the replica holding the fewest of this coordinator's
+    sessions (ties: the highest rendezvous hash of session and replica) and stays there, where
+    its KV cache lives, until that replica leaves or stops answering; its next call then moves
+    it to another, which re-opens it with the whole context.
+
+    `connect(address)` -> (client, link or None): a client for a replica, and the emulated link
+    in front of it, if any. `discover()` -> {replica id: address}: the replicas there are now
+    (Ray Serve's replica directory), asked every few seconds and whenever a call fails; None =
+    the replicas given are all there will ever be."""
+
     def __init__(
-        self, drafter: str | InProcessClient, verifier_address: str, timeout_s: float = 120.0, proxies: dict | None = None,
-        resolve: Callable[[str], str] | None = None, service_token: str = "", max_message_bytes: int = MAX_MESSAGE_BYTES,
+        self, name: str, replicas: dict[str, str], connect: Callable[[str], tuple], discover: Callable[[], dict[str, str]] | None = None,
+        linger_s: float = 120.0,
     ):
-        """`drafter`: the drafter's address, or a drafter running in this process. `proxies`:
-        emulated links in front of the services by name ("drafter", "verifier"), closed with the
-        pair. `resolve(name)`: where that service listens now (Ray Serve replicas bind a new port
-        when restarted), asked again whenever it cannot be reached. `service_token`: what the
-        services ask of their callers."""
-        self.proxies = proxies or {}
-        self.resolve = resolve
-        if not isinstance(drafter, InProcessClient):
-            drafter = MeasuredClient(drafter, DRAFTER_SERVICE, service_token, max_message_bytes)
-        self.drafter = drafter
-        self.verifier = MeasuredClient(verifier_address, VERIFIER_SERVICE, service_token, max_message_bytes)
-        self._resolving = threading.Lock()
+        self.name = name
+        self._connect, self._discover, self._linger_s = connect, discover, linger_s
+        self._lock = threading.Lock()
+        self._clients: dict[str, object] = {}
+        self._addresses: dict[str, str] = {}
+        self._links: dict[str, object] = {}
+        self._down: set[str] = set()  # listed, but not answering: no new sessions, and sessions there move
+        self._bound: dict[str, str] = {}  # session id -> replica id
+        self._retired: list[tuple[float, object, object]] = []  # (when, client, link) of replicas gone
+        self._update(replicas)
+        if not self._clients:
+            raise RuntimeError(f"no {name} replica to connect to")
+
+    @classmethod
+    def of(cls, name: str, client) -> "Replicas":
+        """One replica reached through `client`, which may be in this process."""
+        return cls(name, {client.address: client.address}, lambda _address: (client, None))
+
+    def any_client(self):
+        with self._lock:
+            return next(iter(self._clients.values()))
+
+    def bind(self, session_id: str) -> tuple[str, object]:
+        """The replica holding the session (placing it if it has none, or moving it if its
+        replica is gone or down) and a client for it."""
+        with self._lock:
+            key = self._bound.get(session_id)
+            if key not in self._clients or (key in self._down and len(self._down) < len(self._clients)):
+                up = [k for k in self._clients if k not in self._down] or list(self._clients)
+                load = Counter(self._bound.values())
+                key = min(up, key=lambda k: (load[k], -_rendezvous(session_id, k)))
+                self._bound[session_id] = key
+            return key, self._clients[key]
+
+    def client_of(self, session_id: str):
+        """The client of the replica holding the session, None when it holds none (any more)."""
+        with self._lock:
+            return self._clients.get(self._bound.get(session_id))
+
+    def address(self, key: str) -> str:
+        with self._lock:
+            return self._addresses.get(key, "")
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            self._bound.pop(session_id, None)
+
+    def failed(self, key: str) -> None:
+        """A call to replica `key` could not reach it: learn who is there now, and mark it
+        down if it is still listed but does not answer, so its sessions move."""
+        self.refresh()
+        with self._lock:
+            client = self._clients.get(key)
+        if client is not None and not client.reachable():
+            with self._lock:
+                self._down.add(key)
+
+    def check(self) -> bool:
+        """Re-reads the replicas and asks each whether it answers; True when one does."""
+        self.refresh()
+        with self._lock:
+            clients = dict(self._clients)
+        answering = {key for key, client in clients.items() if client.reachable()}
+        with self._lock:
+            self._down = set(clients) - answering
+        return bool(answering)
+
+    def refresh(self) -> None:
+        if self._discover is None:
+            return
+        try:
+            replicas = self._discover()
+        except Exception as err:  # noqa: BLE001 - the directory is restarting: keep what we know
+            log.info("could not list the %s replicas: %s", self.name, err)
+            return
+        if replicas:  # an empty list is a moment of no replica (a restart): keep dialing the last ones
+            self._update(replicas)
+
+    def _update(self, replicas: dict[str, str]) -> None:
+        with self._lock:
+            for key in [k for k in self._clients if replicas.get(k) != self._addresses[k]]:
+                log.warning("%s replica %s at %s is gone", self.name, key, self._addresses[key])
+                # Calls in flight on it finish (closing the channel would cancel them).
+                self._retired.append((time.monotonic() + self._linger_s, self._clients.pop(key), self._links.pop(key, None)))
+                self._down.discard(key)
+                del self._addresses[key]
+            for key, address in replicas.items():
+                if key not in self._clients:
+                    self._clients[key], link = self._connect(address)
+                    self._addresses[key] = address
+                    if link is not None:
+                        self._links[key] = link
+            now = time.monotonic()
+            expired = [r for r in self._retired if r[0] <= now]
+            self._retired = [r for r in self._retired if r[0] > now]
+        for _, client, link in expired:
+            _close(client, link)
+
+    def close(self) -> None:
+        with self._lock:
+            everything = [(c, self._links.get(k)) for k, c in self._clients.items()] + [(c, link) for _, c, link in self._retired]
+            self._clients, self._retired = {}, []
+        for client, link in everything:
+            _close(client, link)
+
+
+def _close(client, link) -> None:
+    client.close()
+    if link is not None:
+        link.close()
+
+
+def _rendezvous(session_id: str, key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session_id}|{key}".encode(), digest_size=8).digest(), "big")
+
+
+class ServicePair:
+    def __init__(self, drafter: Replicas, verifier: Replicas, timeout_s: float = 120.0):
+        """The drafter's and the verifier's replicas (the drafter's may be one in this process)."""
+        self.drafter, self.verifier = drafter, verifier
         self._closed = threading.Event()
         self.timeout_s = timeout_s
-        self.drafter_info, _ = self.drafter.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
-        self.verifier_info, _ = self.verifier.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
+        self.drafter_info, _ = drafter.any_client().call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
+        self.verifier_info, _ = verifier.any_client().call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=timeout_s)
         # A drafter without a model (n-gram) reports no tokenizer: it takes any token ids.
         if self.drafter_info.tokenizer_fingerprint and self.drafter_info.tokenizer_fingerprint != self.verifier_info.tokenizer_fingerprint:
             raise PairMismatch(
@@ -99,37 +214,15 @@ class ServicePair:
             return "the drafter and the verifier loaded different steering checkpoints; both halves must come from one"
         return None
 
-    def reresolve(self, client) -> None:
-        """Asks where the service behind `client` listens now and dials there if it moved."""
-        if self.resolve is None or isinstance(client, InProcessClient):
-            return
-        name = "drafter" if client is self.drafter else "verifier"
-        with self._resolving:
-            try:
-                address = self.resolve(name)
-            except Exception as err:  # noqa: BLE001 - not known yet (restarting): the caller retries
-                log.info("could not resolve the %s yet: %s", name, err)
-                return
-            if name in self.proxies:
-                self.proxies[name].retarget(address)
-            elif address != client.address:
-                log.warning("the %s moved to %s", name, address)
-                client.retarget(address)
-
     def watch(self, on_verifier: Callable[[bool], None], every_s: float = 2.0) -> None:
-        """Checks both services every `every_s` in a thread until the pair is closed,
-        re-resolving one that does not answer, and tells `on_verifier` whether the verifier is
-        reachable (without it no request can be served; without the drafter they go on alone)."""
+        """Checks both services' replicas every `every_s` in a thread until the pair is closed,
+        and tells `on_verifier` whether a verifier replica answers (without one no request can
+        be served; without the drafter they go on alone)."""
 
         def run() -> None:
             while not self._closed.wait(every_s):
-                for client in (self.drafter, self.verifier):
-                    ok = client.reachable()
-                    if not ok:
-                        self.reresolve(client)
-                        ok = client.reachable()
-                    if client is self.verifier:
-                        on_verifier(ok)
+                self.drafter.check()
+                on_verifier(self.verifier.check())
 
         threading.Thread(target=run, name="pair-watch", daemon=True).start()
 
@@ -137,8 +230,6 @@ class ServicePair:
         self._closed.set()
         self.drafter.close()
         self.verifier.close()
-        for proxy in self.proxies.values():
-            proxy.close()
 
 
 class PairSession:
@@ -170,6 +261,8 @@ class PairSession:
         self._drafter_round = 0
         self._verifier_round = 0
         self._verifier_open = False
+        self._at: dict[str, str] = {}  # service -> the replica that last served the session
+        self.replica_moves = 0  # calls that found the session's replica gone and re-opened it on another
         self._closed = False
 
     def draft(
@@ -271,8 +364,17 @@ class PairSession:
         if self._closed:
             return
         self._closed = True
-        for client in (self.pair.drafter, self.pair.verifier):
-            self._end(client)
+        for replicas in (self.pair.drafter, self.pair.verifier):
+            client = replicas.client_of(self.session_id)
+            if client is not None:
+                self._end(client)
+            replicas.release(self.session_id)
+
+    def replica(self, service: str) -> str:
+        """The address of the replica that last served the session."""
+        replicas = self.pair.drafter if service == "drafter" else self.pair.verifier
+        key = self._at.get(service)
+        return replicas.address(key) if key is not None else ""
 
     def _end(self, client) -> None:
         future = client.call_async("EndSession", common_pb2.EndSessionRequest(session_id=self.session_id))
@@ -290,28 +392,38 @@ class PairSession:
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         return min(self.pair.timeout_s, left)
 
-    def _call(self, client: MeasuredClient, method: str, response_type, build, reopen: bool, max_retries: int):
-        """The call, re-opening the session once if the service lost it, and retrying a service
-        that is unreachable or slow after 50, 100, 200, ... ms (at most `max_retries` times,
-        within the request's deadline): the same round again, which no service commits twice."""
-        request, backoff_s, retries = build(reopen), self.RETRY_BACKOFF_S, 0
+    def _call(self, replicas: Replicas, method: str, response_type, build, reopen: bool, max_retries: int):
+        """The call on the replica holding the session, re-opening the session once if the
+        service lost it or it moved to another replica, and retrying a replica that is
+        unreachable or slow after 50, 100, 200, ... ms (at most `max_retries` times, within the
+        request's deadline): the same round again, which no service commits twice."""
+        backoff_s, retries, request, built = self.RETRY_BACKOFF_S, 0, None, None
         while True:
             if self._closed:
                 raise ServiceError(grpc.StatusCode.CANCELLED, "the request ended")
+            key, client = replicas.bind(self.session_id)
+            before = self._at.get(replicas.name)
+            if before is not None and before != key and not reopen:
+                reopen = True
+                self.replica_moves += 1
+                log.info("session %s moves to %s replica %s", self.session_id, replicas.name, key)
+            if built != (key, reopen):
+                request, built = build(reopen), (key, reopen)
             try:
                 reply, cost = client.call(method, request, response_type, timeout=self._timeout())
+                self._at[replicas.name] = key
                 if self._closed:  # closed meanwhile: this call may have (re)opened the session after EndSession
                     self._end(client)
                 return reply, ServiceCall(reply.compute_ms, cost, opened=reopen)
             except grpc.RpcError as err:
                 if err.code() in _REOPEN and not reopen:
-                    request, reopen = build(True), True
+                    reopen = True
                     continue
                 transient = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 out_of_time = self.deadline is not None and time.monotonic() + backoff_s > self.deadline
                 if not transient or retries == max_retries or out_of_time:
                     raise
-                self.pair.reresolve(client)
+                replicas.failed(key)
                 time.sleep(backoff_s)
                 backoff_s, retries = backoff_s * 2, retries + 1
 

@@ -1,11 +1,15 @@
-"""The coordinator as a Ray Serve deployment. It asks the drafter and verifier deployments
-where their gRPC servers listen, then serves the client API on the configured port. It is
-also the application's ingress: the OpenAI-compatible HTTP API through Serve's HTTP proxy,
-and the same gRPC API through Serve's gRPC proxy (methods named as the RPCs)."""
+"""The coordinator as a Ray Serve deployment. It learns where the drafter's and verifier's
+replicas serve gRPC from the application's replica directory (and keeps learning as Serve
+scales them), then serves the client API on the configured port; several coordinator replicas
+on one node share that port (SO_REUSEPORT). It is also the application's ingress: the
+OpenAI-compatible HTTP API through Serve's HTTP proxy, and the same gRPC API through Serve's
+gRPC proxy (methods named as the RPCs)."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -13,11 +17,14 @@ from coordinator.metrics import RequestMetrics
 from coordinator.openai_api import ForwardedCall, OpenAIFrontend, openai_app
 from coordinator.server import CoordinatorServicer, start
 from specdec.serving.config import config_from_dict
+from specdec.serving.directory import replica_directory
 from specdec.serving.replica import GrpcReplica
 from specdec.serving.rpc import ServiceError
+from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
 from specdec.v1 import coordinator_pb2
 
-RESOLVE_TIMEOUT_S = 2.0
+DISCOVER_TIMEOUT_S = 2.0
+ANNOUNCE_WAIT_S = 60.0  # a model replica announces itself right after it starts serving
 
 
 @serve.deployment(name="Coordinator", num_replicas=1)
@@ -26,17 +33,23 @@ class CoordinatorDeployment(GrpcReplica):
     def __init__(self, config: dict, drafter: DeploymentHandle | None, verifier: DeploymentHandle):
         """drafter is None when it runs inside the coordinator (coordinator.drafter_in_process)."""
         parsed = config_from_dict(config)
-        # The constructor runs on the replica's event loop, where blocking handle calls are
-        # refused; ask from a worker thread instead.
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            drafter_address, verifier_address = pool.map(lambda h: h and h.address.remote().result(), (drafter, verifier))
-        handles = {"drafter": drafter, "verifier": verifier}
+        directory = replica_directory(serve.get_replica_context().app_name)
+        services = {"drafter": DRAFTER_SERVICE, "verifier": VERIFIER_SERVICE}
 
-        def resolve(name: str) -> str:
-            """Where the service's replica listens now: a restarted one binds a new port."""
-            return handles[name].address.remote().result(timeout_s=RESOLVE_TIMEOUT_S)
+        def discover(name: str) -> dict[str, str]:
+            """The service's replicas now: Serve scales them, and a restarted one binds a new port."""
+            return ray.get(directory.members.remote(services[name]), timeout=DISCOVER_TIMEOUT_S)
 
-        server, port, coordinator = start(parsed, drafter_address, verifier_address, RequestMetrics().record, resolve)
+        def connect():
+            for name, handle in (("drafter", drafter), ("verifier", verifier)):
+                if handle is not None:
+                    handle.address.remote().result()  # Serve answers once a replica is up
+                    _until(lambda: discover(name), ANNOUNCE_WAIT_S, f"no {name} replica announced itself")
+            return start(parsed, None, None, RequestMetrics().record, discover)
+
+        # The constructor runs on the replica's event loop, where blocking calls are refused.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            server, port, coordinator = pool.submit(connect).result()
         self._serving(server, port)
         self.servicer = CoordinatorServicer(coordinator)
         self.tokens = parsed.coordinator.auth.accepted()
@@ -64,3 +77,12 @@ class CoordinatorDeployment(GrpcReplica):
         call = ForwardedCall(list(grpc_context.invocation_metadata()), grpc_context)
         call.authorize(self.tokens)
         return call
+
+
+def _until(attempt, seconds: float, failure: str):
+    deadline = time.monotonic() + seconds
+    while not (result := attempt()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(0.2)
+    return result

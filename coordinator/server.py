@@ -2,6 +2,7 @@
 round loop driven once per request (streamed or not)."""
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -14,7 +15,7 @@ from typing import Callable, Iterator
 import grpc
 
 from coordinator.budget import BudgetController, Plan, VerifyCosts
-from coordinator.clients import PairSession, ServicePair
+from coordinator.clients import PairSession, Replicas, ServicePair
 from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
 from specdec.core.models import load_tokenizer
@@ -25,13 +26,19 @@ from specdec.serving.config import CoordinatorConfig, LimitsConfig, TlsConfig
 from specdec.serving.latency_proxy import LatencyProxy
 from specdec.serving.rpc import (
     BearerTokenAuth,
+    MeasuredClient,
     ServiceError,
     invalid,
     reports_errors,
     set_serving,
     start_server,
 )
-from specdec.serving.wire import COORDINATOR_SERVICE, shape_from_proto
+from specdec.serving.wire import (
+    COORDINATOR_SERVICE,
+    DRAFTER_SERVICE,
+    VERIFIER_SERVICE,
+    shape_from_proto,
+)
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -207,6 +214,8 @@ class Coordinator:
             session.close()
         tokens, text = output.take_delta()
         stats = meter.stats("adaptive" if adaptive else "fixed", overlap, settings.steering, budget, settings.tree.method, len(output.token_ids), features)
+        stats.drafter_replica, stats.verifier_replica = session.replica("drafter"), session.replica("verifier")
+        stats.replica_moves = session.replica_moves
         if self.on_finished is not None:
             try:
                 self.on_finished(stats)
@@ -266,24 +275,20 @@ def serve(coordinator: Coordinator, host: str, port: int, tls: TlsConfig = TlsCo
     return server, bound
 
 
-def start(config, drafter_address: str | None, verifier_address: str, on_finished=None, resolve=None):
+def start(config, drafter_address: str | None, verifier_address: str | None, on_finished=None, discover=None):
     """Connects to both services, checks the pair, and starts the client API; returns
-    (grpc server, bound port, coordinator). With coordinator.drafter_in_process the drafter
-    (one without a model) runs here instead, and drafter_address is not used. `resolve(name)`
-    says where a service listens now (ServicePair); health says NOT_SERVING while the
-    verifier cannot be reached."""
-    network, proxies = config.coordinator.network, {}
+    (grpc server, bound port, coordinator). An address may list several replicas,
+    comma-separated. `discover(name)` -> {replica id: address}: the replicas of "drafter" or
+    "verifier" there are now (Ray Serve's replica directory); with it the addresses are not
+    used. With coordinator.drafter_in_process the drafter (one without a model) runs here
+    instead. Health says NOT_SERVING while no verifier replica answers."""
     if config.coordinator.drafter_in_process:
         from drafter_service.server import in_process
 
-        drafter = in_process(config.drafter, config.limits)
+        drafter = Replicas.of("drafter", in_process(config.drafter, config.limits))
     else:
-        drafter = _through_link("drafter", drafter_address, network.drafter, proxies)
-    verifier_address = _through_link("verifier", verifier_address, network.verifier, proxies)
-    pair = ServicePair(
-        drafter, verifier_address, config.coordinator.request_timeout_s, proxies, resolve, config.coordinator.auth.service_token,
-        int(config.limits.max_message_mib * 2**20),
-    )
+        drafter = _replicas(config, "drafter", drafter_address, discover)
+    pair = ServicePair(drafter, _replicas(config, "verifier", verifier_address, discover), config.coordinator.request_timeout_s)
     coordinator = Coordinator(config.coordinator, config.limits, pair, config.verifier.model.source, on_finished)
     if config.resolved_steering_checkpoint() and coordinator.steering_problem:
         log.warning("requests will not be steered: %s", coordinator.steering_problem)
@@ -297,9 +302,16 @@ def start(config, drafter_address: str | None, verifier_address: str, on_finishe
     return server, port, coordinator
 
 
-def _through_link(name: str, address: str, link, proxies: dict) -> str:
-    """The address to dial: the service itself, or an emulated link in front of it."""
-    if not link.active:
-        return address
-    proxies[name] = LatencyProxy(address, link)
-    return proxies[name].address
+def _replicas(config, name: str, addresses: str | None, discover) -> Replicas:
+    """The service's replicas, each dialed directly or through the emulated link of its kind."""
+    link = getattr(config.coordinator.network, name)
+    service = DRAFTER_SERVICE if name == "drafter" else VERIFIER_SERVICE
+    token, max_bytes = config.coordinator.auth.service_token, int(config.limits.max_message_mib * 2**20)
+
+    def connect(address: str) -> tuple[MeasuredClient, LatencyProxy | None]:
+        proxy = LatencyProxy(address, link) if link.active else None
+        return MeasuredClient(proxy.address if proxy else address, service, token, max_bytes), proxy
+
+    find = functools.partial(discover, name) if discover is not None else None
+    known = find() if find is not None else {address: address for address in addresses.split(",")}
+    return Replicas(name, known, connect, find, linger_s=config.coordinator.request_timeout_s)

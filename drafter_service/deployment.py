@@ -5,13 +5,13 @@ from ray import serve
 
 from drafter_service.server import start
 from specdec.serving.config import config_from_dict
-from specdec.serving.replica import GrpcReplica
+from specdec.serving.replica import ModelReplica
 from specdec.serving.wire import DRAFTER_SERVICE
 
 
 @serve.deployment(name="Drafter", num_replicas=1)
-class DrafterDeployment(GrpcReplica):
+class DrafterDeployment(ModelReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)
         self._serving(*start(parsed.drafter, **parsed.service_args("drafter")))
-        self._export_load(DRAFTER_SERVICE)
+        self._join(DRAFTER_SERVICE)

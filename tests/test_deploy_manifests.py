@@ -367,8 +367,6 @@ def test_model_services_land_on_their_own_gpu_workers(service, resource):
 
 def test_groups_pass_kuberay_controller_checks():
     """The RayCluster checks KubeRay's controller makes (utils/validation.go) that a schema cannot."""
-    cluster = _rayservice()["spec"]["rayClusterConfig"]
-    assert not cluster.get("enableInTreeAutoscaling"), "the pinned layout assumes fixed worker counts"
     for name, group in _groups().items():
         assert group["template"]["spec"]["containers"], f"{name} needs a container"
         params = group.get("rayStartParams", {})
@@ -378,6 +376,20 @@ def test_groups_pass_kuberay_controller_checks():
         )
         if name != "<head>":
             assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
+
+
+@pytest.mark.parametrize("service, resource", [("verifier", "verifier_node"), ("drafter", "drafter_node")])
+def test_autoscaled_replicas_fit_the_worker_pods_the_autoscaler_may_add(service, resource):
+    """Each replica takes a GPU on a pod of its own group: Serve must not ask for more replicas
+    than the Ray autoscaler may bring pods for, and the policy must be the sessions policy
+    (Serve's default counts handle requests, which the direct gRPC data plane never makes)."""
+    assert _rayservice()["spec"]["rayClusterConfig"].get("enableInTreeAutoscaling")
+    section = getattr(_kuberay_config(), service)
+    scaling = section.autoscaling
+    assert scaling["policy"]["policy_function"] == "specdec.serving.autoscaling:SessionsPolicy"
+    pods = sum(_groups()[name]["maxReplicas"] for name in _advertisers(resource))
+    per_pod = min(int(_groups()[name]["rayStartParams"]["num-gpus"]) for name in _advertisers(resource)) // section.ray_actor_options["num_gpus"]
+    assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"] <= pods * per_pod
 
 
 def test_verifier_and_drafter_never_share_a_worker_group():

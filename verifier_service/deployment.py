@@ -4,14 +4,14 @@ from __future__ import annotations
 from ray import serve
 
 from specdec.serving.config import config_from_dict
-from specdec.serving.replica import GrpcReplica
+from specdec.serving.replica import ModelReplica
 from specdec.serving.wire import VERIFIER_SERVICE
 from verifier_service.server import start
 
 
 @serve.deployment(name="Verifier", num_replicas=1)
-class VerifierDeployment(GrpcReplica):
+class VerifierDeployment(ModelReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)
         self._serving(*start(parsed.verifier, **parsed.service_args("verifier")))
-        self._export_load(VERIFIER_SERVICE)
+        self._join(VERIFIER_SERVICE)

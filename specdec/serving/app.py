@@ -33,8 +33,20 @@ def with_service_token(config: Config) -> Config:
 def build_app(args: dict | None = None) -> Application:
     config = with_service_token(build_config(args))
     as_dict = config_to_dict(config)
-    drafter = None if config.coordinator.drafter_in_process else DrafterDeployment.options(ray_actor_options=config.drafter.ray_actor_options).bind(as_dict)
-    verifier = VerifierDeployment.options(ray_actor_options=config.verifier.ray_actor_options).bind(as_dict)
-    return CoordinatorDeployment.options(ray_actor_options=config.coordinator.ray_actor_options).bind(
-        as_dict, drafter, verifier
-    )
+    # The replicas' own arguments leave out how many there are: a change of scale is then one
+    # Serve applies in place, adding or removing replicas, not a restart of every one.
+    for section in ("drafter", "verifier", "coordinator"):
+        for key in ("num_replicas", "autoscaling"):
+            as_dict[section].pop(key, None)
+    drafter = None if config.coordinator.drafter_in_process else DrafterDeployment.options(**_scaling(config.drafter)).bind(as_dict)
+    verifier = VerifierDeployment.options(**_scaling(config.verifier)).bind(as_dict)
+    return CoordinatorDeployment.options(
+        ray_actor_options=config.coordinator.ray_actor_options, num_replicas=config.coordinator.num_replicas
+    ).bind(as_dict, drafter, verifier)
+
+
+def _scaling(service) -> dict:
+    """Where a model service's replicas run, and how many (fixed, or autoscaled)."""
+    if service.autoscaling:
+        return {"ray_actor_options": service.ray_actor_options, "autoscaling_config": service.autoscaling}
+    return {"ray_actor_options": service.ray_actor_options, "num_replicas": service.num_replicas}

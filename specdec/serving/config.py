@@ -33,6 +33,10 @@ class ServiceConfig:
     port: int = 0  # 0 = any free port (the coordinator finds it)
     torch_threads: int = 0  # 0 = one per core
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    num_replicas: int = 1  # Ray Serve replicas, when not autoscaling
+    # Ray Serve autoscaling_config ({} = num_replicas, fixed). The sessions a replica holds drive
+    # it with policy {policy_function: specdec.serving.autoscaling:SessionsPolicy} (deploy/serve.yaml).
+    autoscaling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -175,6 +179,7 @@ class CoordinatorConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    num_replicas: int = 1  # Ray Serve replicas; they share the client port (SO_REUSEPORT)
 
 
 @dataclass
@@ -243,11 +248,13 @@ class Config:
             (self.coordinator.adaptive.tree_method in TREE_METHODS, f"coordinator.adaptive.tree_method must be one of {', '.join(TREE_METHODS)}"),
             (self.coordinator.adaptive.hybrid_ngram in NGRAM_METHODS, f"coordinator.adaptive.hybrid_ngram must be one of {', '.join(NGRAM_METHODS)}"),
             (self.coordinator.adaptive.revisit_every >= 2, "coordinator.adaptive.revisit_every must be >= 2"),
+            (self.coordinator.num_replicas >= 1, "coordinator.num_replicas must be >= 1"),
         ]
         for name in ("drafter", "verifier"):
             service = getattr(self, name)
             checks += [
                 (0 <= service.port < 65536, f"{name}.port must be in [0, 65535]"),
+                (service.num_replicas >= 1, f"{name}.num_replicas must be >= 1"),
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
                 (service.model.dtype in WEIGHT_FORMATS, f"{name}.model.dtype must be one of {', '.join(WEIGHT_FORMATS)}"),
                 (
@@ -258,6 +265,9 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        for name in ("drafter", "verifier"):
+            if getattr(self, name).autoscaling:
+                _check_autoscaling(name, getattr(self, name).autoscaling)
         tls = self.coordinator.tls
         if bool(tls.cert_file) != bool(tls.key_file):
             raise ConfigError("coordinator.tls needs both cert_file and key_file (or neither)")
@@ -285,6 +295,19 @@ class Config:
                 getattr(self.coordinator.network, link).validate()
             except ValueError as err:
                 raise ConfigError(f"coordinator.network.{link}.{err}") from None
+
+
+def _check_autoscaling(name: str, settings: dict) -> None:
+    """Serve's own schema, checked at load rather than at deploy time."""
+    from ray.serve.config import AutoscalingConfig
+
+    unknown = sorted(set(settings) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"unknown key {name}.autoscaling.{unknown[0]}; see Ray Serve's autoscaling_config")
+    try:
+        AutoscalingConfig(**settings)
+    except Exception as err:  # noqa: BLE001 - pydantic's ValidationError, or a TypeError
+        raise ConfigError(f"{name}.autoscaling is not a valid Ray Serve autoscaling_config: {err}") from None
 
 
 def build_dataclass(cls, data: Any, path: str):

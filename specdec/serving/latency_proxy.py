@@ -49,11 +49,6 @@ class LatencyProxy:
         self._ready.wait(10)
         self.address = f"localhost:{self.port}"
 
-    def retarget(self, target: str) -> None:
-        """New connections go to `target` from now on (the service moved)."""
-        host, port = target.rsplit(":", 1)
-        self.target_host, self.target_port = host, int(port)
-
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._server = self._loop.run_until_complete(asyncio.start_server(self._connect, "localhost", 0))

@@ -1,5 +1,7 @@
 """What the three Ray Serve deployments share: a replica that serves its own gRPC API on its
-own port, so the per-round data plane is direct gRPC rather than Serve handles."""
+own port, so the per-round data plane is direct gRPC rather than Serve handles. Model replicas
+(drafter, verifier) also announce their address in the application's replica directory and
+report the sessions they hold, which drive their autoscaling (specdec/serving/autoscaling.py)."""
 from __future__ import annotations
 
 import threading
@@ -22,12 +24,27 @@ class GrpcReplica:
         """host:port of this replica's gRPC server."""
         return f"{self.host}:{self.port}"
 
-    def _export_load(self, service: str) -> None:
-        """Prometheus gauges of what this model replica holds, read from its own Info every few
-        seconds: sessions (Serve's ongoing-request metric cannot see direct gRPC calls), their
-        KV cache and the process's resident memory. Serve tags them with deployment and replica."""
+    def __del__(self):
+        if hasattr(self, "server"):
+            stop_gracefully(self.server)
+
+
+class ModelReplica(GrpcReplica):
+    def _join(self, service: str) -> None:
+        """Announces this replica to the coordinators (every few seconds: a replica that dies
+        without leaving drops out once it falls silent), and exports Prometheus gauges of what it
+        holds, read from its own Info: sessions (Serve's ongoing-request metric cannot see direct
+        gRPC calls), their KV cache, the process's resident memory, batch size and queue time.
+        Serve tags them with deployment and replica."""
+        from ray import serve
         from ray.serve import metrics
 
+        from specdec.serving.directory import replica_directory
+
+        context = serve.get_replica_context()
+        self._service, self._replica_id = service, context.replica_id.unique_id
+        self._directory = replica_directory(context.app_name)
+        self._sessions = 0
         gauges = {
             "active_sessions": metrics.Gauge("specdec_replica_sessions", "sessions a model replica holds"),
             "kv_cache_mib": metrics.Gauge("specdec_replica_kv_cache_mib", "KV cache memory of those sessions"),
@@ -40,11 +57,15 @@ class GrpcReplica:
 
         def run() -> None:
             nonlocal before
-            while not stop.wait(LOAD_EVERY_S):
+            while True:
+                self._directory.announce.remote(service, self._replica_id, self.address())
+                if stop.wait(LOAD_EVERY_S):
+                    return
                 try:
                     info, _ = client.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=5)
                 except grpc.RpcError:
                     continue
+                self._sessions = info.active_sessions
                 for field, gauge in gauges.items():
                     gauge.set(getattr(info, field))
                 passes, jobs = info.forward_passes - before.forward_passes, info.batched_jobs - before.batched_jobs
@@ -52,11 +73,20 @@ class GrpcReplica:
                 queue_ms.set((info.batch_queue_ms - before.batch_queue_ms) / jobs if jobs else 0.0)
                 before = info
 
-        threading.Thread(target=run, name="load-gauges", daemon=True).start()
-        self._stop_export = stop
+        threading.Thread(target=run, name="replica-announce", daemon=True).start()
+        self._stop_announcing = stop
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric: the sessions this replica holds."""
+        return {"sessions": float(self._sessions)}
 
     def __del__(self):
-        if hasattr(self, "_stop_export"):
-            self._stop_export.set()
-        if hasattr(self, "server"):
-            stop_gracefully(self.server)
+        """Serve stops this replica: leave the directory first, so coordinators move their
+        sessions away, then stop serving after the calls in flight."""
+        if hasattr(self, "_stop_announcing"):
+            self._stop_announcing.set()
+            try:
+                ray.get(self._directory.leave.remote(self._service, self._replica_id), timeout=2)
+            except Exception:  # noqa: BLE001 - the directory is gone too: nothing to leave
+                pass
+        super().__del__()

@@ -264,8 +264,7 @@ class MeasuredClient:
 
     def __init__(self, address: str, service: str, token: str = "", max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.address = address
-        self._options = message_options(max_message_bytes)
-        self.channel = grpc.insecure_channel(address, options=self._options)
+        self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
         self._service = service
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._methods: dict[str, Callable] = {}
@@ -298,14 +297,6 @@ class MeasuredClient:
             bytes_received=len(reply),
         )
         return response, cost
-
-    def retarget(self, address: str) -> None:
-        """Dials `address` from now on: the service moved (a restarted replica binds a new port)."""
-        if address == self.address:
-            return
-        old = self.channel
-        self.address, self.channel, self._methods = address, grpc.insecure_channel(address, options=self._options), {}
-        old.close()
 
     def reachable(self, timeout_s: float = 2.0) -> bool:
         """Whether the service answers its health check with SERVING."""

@@ -3,6 +3,7 @@ use and cached; `native()` is None where they cannot be built (no C++ compiler, 
 build, or SPECDEC_NATIVE_KERNELS=0), and the engine then runs torch ops instead."""
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -41,8 +42,14 @@ def native():
         key = hashlib.sha256(f"{_SOURCE.read_text()}{_FLAGS}{_cpu_flags()}".encode()).hexdigest()[:12]
         build = cache_dir() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
-        return load(name=f"specdec_engine_cpu_{key}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        # torch guards a build with a lock file that a killed build leaves behind, and then
+        # every later load waits on it forever. An flock dies with its process: hold one, and
+        # clear torch's file under it.
+        with open(build / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            return load(name=f"specdec_engine_cpu_{key}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops still work
         log.warning("native engine kernels unavailable, running torch ops instead: %s", err)
         return None
