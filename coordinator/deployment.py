@@ -27,7 +27,7 @@ DISCOVER_TIMEOUT_S = 2.0
 ANNOUNCE_WAIT_S = 60.0  # a model replica announces itself right after it starts serving
 
 
-@serve.deployment(name="Coordinator", num_replicas=1)
+@serve.deployment(name="Coordinator")
 @serve.ingress()
 class CoordinatorDeployment(GrpcReplica):
     def __init__(self, config: dict, drafter: DeploymentHandle | None, verifier: DeploymentHandle):

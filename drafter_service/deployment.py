@@ -9,7 +9,7 @@ from specdec.serving.replica import ModelReplica
 from specdec.serving.wire import DRAFTER_SERVICE
 
 
-@serve.deployment(name="Drafter", num_replicas=1)
+@serve.deployment(name="Drafter")
 class DrafterDeployment(ModelReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import math
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
 
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.core.engine import LlamaEngine, engine_for
+from specdec.core.batching import Job, run_alone
+from specdec.core.engine import ForwardCall, LlamaEngine, engine_for
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
@@ -75,6 +77,16 @@ class DrafterSession:
     # The last call's round number and answer: a retried round gets the same answer again.
     last_round: int = 0
     last_draft: "Draft | None" = None
+    deltas: list[torch.Tensor] | None = None  # the running draft's SD² steering, per layer
+
+
+@dataclass
+class DraftForward:
+    """A forward a draft job asks for: the engine's call, and the SD² steering every token it
+    feeds gets (None = unsteered). Steered forwards run alone: steering is the model's state."""
+
+    call: ForwardCall
+    deltas: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -106,7 +118,6 @@ class DrafterEngine:
         self.proposal_top_k = proposal_top_k
         self.limits = limits
         self.sessions: SessionStore[DrafterSession] = SessionStore.of_caches(limits)
-        self._model_lock = threading.Lock()
         self.steering, self.steering_fingerprint = None, ""
         self.feature_size, self.feature_fingerprint = 0, ""  # a drafter that reads verifier features sets them
         # n-gram candidates (per request, tree.ngram; by default drafter.ngram.method) join the
@@ -175,7 +186,23 @@ class DrafterEngine:
     def _new_cache(self) -> KVCache | TransformersCache:
         return self.engine.new_cache()
 
-    def draft(
+    def draft(self, *args, **kwargs) -> Draft:
+        """draft_job run alone, on this thread."""
+        return run_alone(self.draft_job(*args, **kwargs), self.forward_many)
+
+    def forward_many(self, forwards: list[DraftForward]) -> list[Any]:
+        """The forwards of several draft jobs: the unsteered ones in one pass of the engine,
+        each steered one alone."""
+        plain = [i for i, f in enumerate(forwards) if f.deltas is None]
+        results: list[Any] = [None] * len(forwards)
+        for i, result in zip(plain, self.engine.forward_many([forwards[i].call for i in plain])):
+            results[i] = result
+        for i in (i for i, f in enumerate(forwards) if f.deltas is not None):
+            with self.steering.applied(forwards[i].deltas):
+                results[i] = self.engine.forward_many([forwards[i].call])[0]
+        return results
+
+    def draft_job(
         self,
         session_id: str,
         session: DrafterSession,
@@ -188,8 +215,8 @@ class DrafterEngine:
         features: tuple[int, torch.Tensor] | None = None,
         pick_excludes: list[int] = (),
         round_number: int = 0,
-    ) -> Draft:
-        """Commits new_tokens and drafts a tree of at most num_tokens nodes after the context.
+    ) -> Generator[Any, Any, Draft]:
+        """A job (specdec/core/batching.py) whose value is the Draft. Commits new_tokens and drafts a tree of at most num_tokens nodes after the context.
         With `assumed` tokens (overlapped drafting) the tree is drafted after the context plus
         those tokens plus the drafter's own pick of the next one (its likeliest outside
         `pick_excludes`), all uncommitted. A steering
@@ -233,7 +260,7 @@ class DrafterEngine:
                 session.lesson = None
             start, forwards = time.perf_counter(), session.forward_passes
             context = session.tokens + list(assumed)
-            tree, steering_ms, confidence = self._draft_after(session, context, shape, num_tokens, bool(assumed), pick_excludes, steering)
+            tree, steering_ms, confidence = yield from self._draft_after(session, context, shape, num_tokens, bool(assumed), pick_excludes, steering)
             draft = Draft(
                 tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards, confidence
             )
@@ -250,46 +277,48 @@ class DrafterEngine:
     def _draft_after(
         self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick: bool, pick_excludes: list[int],
         steering: torch.Tensor | None,
-    ) -> tuple[DraftTree, float, list[float]]:
+    ) -> Job:
         """The tree after `context` (first extended by the drafter's pick of the next token when
         `pick`), the ms spent steering, and the nodes' confidences where all have one."""
-        with self._model_lock, torch.inference_mode(), self._steered(steering) as steering_ms:
+        steering_ms = self._steer(session, steering)
+        try:
             session.reuse_guesses = steering is None and not session.fed_steered
             session.fed_steered = steering is not None
             if pick:
-                context.append(self._pick_next(session, context, pick_excludes))
+                context.append((yield from self._pick_next(session, context, pick_excludes)))
             proposer = self._proposer(shape)
             if proposer is None:
-                return self._draft_tree(session, context, shape, budget), steering_ms[0], []
+                return (yield from self._draft_tree(session, context, shape, budget)), steering_ms, []
             # Greedy: the n-gram draft, then the model's nodes (at least one) fill the budget.
             # Sampling: a deterministic child cannot join children sampled from a proposal, so
             # where the context matched, the n-gram draft goes alone.
             greedy = session.sampling.greedy
             candidates = self._ngram_draft(session, proposer, context, budget - 1 if greedy else budget, shape.max_depth, pick)
             if not candidates:
-                return self._draft_tree(session, context, shape, budget), steering_ms[0], []
+                return (yield from self._draft_tree(session, context, shape, budget)), steering_ms, []
             if not greedy:
-                return candidates.tree, steering_ms[0], candidates.confidence
-            model = self._draft_tree(session, context, shape, budget - len(candidates))
-            return merge_trees(candidates.tree, model, budget), steering_ms[0], []
+                return candidates.tree, steering_ms, candidates.confidence
+            model = yield from self._draft_tree(session, context, shape, budget - len(candidates))
+            return merge_trees(candidates.tree, model, budget), steering_ms, []
+        finally:
+            session.deltas = None
 
     def _take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
         raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
 
-    @contextmanager
-    def _steered(self, vector: torch.Tensor | None):
-        """Forwards inside are steered by `vector` (None = unsteered); yields a one-item list
-        that holds the ms spent making the per-layer deltas."""
+    def _steer(self, session: DrafterSession, vector: torch.Tensor | None) -> float:
+        """Makes the per-layer deltas of `vector` (None = unsteered), which every forward of
+        the session's running draft adds; returns the ms that took."""
         if vector is None:
-            yield [0.0]
-            return
+            session.deltas = None
+            return 0.0
         start = time.perf_counter()
-        with self.steering.steer(vector.to(self.model.device)):
-            yield [(time.perf_counter() - start) * 1e3]
+        session.deltas = list(self.steering.deltas(vector.to(self.model.device)).unbind(-2))
+        return (time.perf_counter() - start) * 1e3
 
-    def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **masking) -> torch.Tensor:
+    def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **masking) -> Job:
         session.forward_passes += 1
-        logits, _ = self.engine(session.cache, input_ids, num_logits, **masking)
+        logits, _ = yield DraftForward(ForwardCall(session.cache, input_ids, num_logits, **masking), session.deltas)
         return logits[:, : self.vocab_size] if self.draft_vocab is None else logits[:, self.draft_vocab]
 
     def _reuse_cache(self, session: DrafterSession, context: list[int]) -> list[int]:
@@ -316,22 +345,22 @@ class DrafterEngine:
         session.cached_tokens.extend(new[: len(kept)])
         return new[len(kept) :]
 
-    def _feed_context(self, session: DrafterSession, context: list[int], guess: DraftTree | None = None) -> torch.Tensor:
+    def _feed_context(self, session: DrafterSession, context: list[int], guess: DraftTree | None = None) -> Job:
         """Brings the cache up to `context`, then feeds `guess` (a tree after it) in the same
         forward; returns the logits of the token after the context, then after each guess node."""
         pending = self._reuse_cache(session, context)
         if guess:
             positions, mask = verification_inputs(guess, len(session.cached_tokens), len(pending))
-            logits = self._forward(session, pending + guess.token_ids, 1 + len(guess), position_ids=positions, attention_mask=mask)
+            logits = yield from self._forward(session, pending + guess.token_ids, 1 + len(guess), position_ids=positions, attention_mask=mask)
         else:
-            logits = self._forward(session, pending)[-1:]
+            logits = (yield from self._forward(session, pending))[-1:]
         session.cached_tokens.extend(pending)
         session.fed_tree = DraftTree() if guess is None else guess  # the same object the builder grows
         return logits
 
-    def _pick_next(self, session: DrafterSession, context: list[int], excludes: list[int] = ()) -> int:
+    def _pick_next(self, session: DrafterSession, context: list[int], excludes: list[int] = ()) -> Job:
         """The drafter's guess of the token after `context`: its likeliest one not in `excludes`."""
-        logits = self._feed_context(session, context)[0].clone()
+        logits = (yield from self._feed_context(session, context))[0].clone()
         vocab = torch.arange(len(logits)) if self.draft_vocab is None else self.draft_vocab
         logits[torch.isin(vocab, torch.tensor(list(excludes), dtype=torch.long))] = float("-inf")
         return int(vocab[logits.argmax()])
@@ -347,15 +376,15 @@ class DrafterEngine:
             return self.stage2.propose(session.ngram, tail, self.lookahead, self.lookahead).tree
         return DraftTree(own, list(range(-1, len(own) - 1)))
 
-    def _draft_tree(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
+    def _draft_tree(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
         fed = self._guess(session, context)
-        logits = self._feed_context(session, context, fed)
+        logits = yield from self._feed_context(session, context, fed)
         num_context = len(session.cached_tokens)
         logits_of = {ROOT: logits[0]} | {n: logits[1 + n] for n in range(len(fed))}
         fed_child = {(p, t): n for n, (p, t) in enumerate(zip(fed.parent, fed.token_ids))}
         fed_node = {ROOT: ROOT}  # the builder's nodes -> fed_tree's
 
-        def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
+        def expand(tree: DraftTree, nodes: list[int]) -> Generator[Any, Any, list[NextToken]]:
             new = []
             for node in nodes:
                 if node == ROOT:
@@ -376,7 +405,7 @@ class DrafterEngine:
                     where[n] = fed_child[where[parent], token] = fed.add(token, where[parent])
                     new.append(where[n])
                 positions, mask = node_inputs(fed, list(range(new[0])), new, num_context)
-                out = self._forward(session, [fed.token_ids[n] for n in new], len(new), position_ids=positions, attention_mask=mask)
+                out = yield from self._forward(session, [fed.token_ids[n] for n in new], len(new), position_ids=positions, attention_mask=mask)
                 logits_of.update(zip(new, out))
             return self._next_tokens(torch.stack([logits_of[fed_node[n]] for n in nodes]), session.sampling)
 
@@ -388,7 +417,7 @@ class DrafterEngine:
                 # An even mixture: where the context says nothing, the drafter's ranking stands.
                 return math.log(0.5 * math.exp(logq) + 0.5 * math.exp(lm.log_prob(tail + path, token)))
         generator = None if session.sampling.greedy else session.generator
-        tree = builder_for(shape, rescore).build(expand, budget, generator)
+        tree = yield from builder_for(shape, rescore).build(expand, budget, generator)
         session.fed_expanded = set(fed_node.values()) - {ROOT}
         return tree
 

@@ -13,7 +13,8 @@ import grpc
 import torch
 
 from drafter_service.drafter import DrafterEngine, DrafterSession
-from drafter_service.tree_builders import NextToken, builder_for
+from drafter_service.tree_builders import builder_for
+from specdec.core.batching import Job
 from specdec.core.engine import (
     RotaryTable,
     fused_linear,
@@ -28,6 +29,19 @@ from specdec.core.kv_cache import KVCache
 from specdec.core.models import ModelSpec, eos_token_ids, max_context
 from specdec.core.tree import ROOT, DraftTree, TreeShape, node_inputs
 from specdec.serving.rpc import ServiceError
+
+
+@dataclass
+class HeadForward:
+    """Entries fed after a session's head cache: tokens, the feature each reads (the
+    verifier's, or the head's own output at the position before), positions (1, T), and the
+    attention mask (1, 1, T, cache + T; None = causal)."""
+
+    cache: KVCache
+    tokens: list[int]
+    features: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -88,26 +102,38 @@ class FeatureDrafter(DrafterEngine):
         # Entries fed from features that have just been replaced are fed again.
         session.committed_entries = min(session.committed_entries, start + 1)
 
-    def _run(self, session: FeatureSession, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
-        """Feeds entries after the cache; returns their outputs (T, H)."""
-        cache = session.cache
-        start, count = cache.length, len(tokens)
-        cache.reserve(start + count)
-        session.forward_passes += 1
+    def forward_many(self, forwards: list[HeadForward]) -> list[torch.Tensor]:
+        """The head over several sessions' entries: with the native layer, one pass (each
+        session attends over its own cache); each forward's outputs (T, H)."""
+        for f in forwards:
+            f.cache.reserve(f.cache.length + len(f.tokens))
         if self.native_layer is None:
-            past_keys, past_values = cache.keys[:, :, :start], cache.values[:, :, :start]
-            outputs, keys, values = self.head(torch.tensor([tokens]), features[None], positions, past_keys, past_values, mask)
-            cache.keys[0, :, start : start + count] = keys[0]
-            cache.values[0, :, start : start + count] = values[0]
-            outputs = outputs[0]
+            outputs = [self._torch_run(f) for f in forwards]
         else:
-            cos, sin = self.rotary_rows(positions[0])
-            outputs = self.native_layer(self.head.layer_input(torch.tensor(tokens), features), cos, sin, [cache.keys[0]], [cache.values[0]],
-                                        [start], [count], [None if mask is None else mask[0, 0]], self.head.layer.num_heads)
-        cache.length = start + count
-        return outputs
+            cos, sin = self.rotary_rows(torch.cat([f.positions[0] for f in forwards]))
+            x = self.head.layer_input(torch.tensor([t for f in forwards for t in f.tokens]), torch.cat([f.features for f in forwards]))
+            outputs = self.native_layer(
+                x, cos, sin, [f.cache.keys[0] for f in forwards], [f.cache.values[0] for f in forwards], [f.cache.length for f in forwards],
+                [len(f.tokens) for f in forwards], [None if f.mask is None else f.mask[0, 0] for f in forwards], self.head.layer.num_heads,
+            ).split([len(f.tokens) for f in forwards])
+        for f in forwards:
+            f.cache.length += len(f.tokens)
+        return list(outputs)
 
-    def _feed_committed(self, session: FeatureSession) -> None:
+    def _torch_run(self, f: HeadForward) -> torch.Tensor:
+        cache, start, count = f.cache, f.cache.length, len(f.tokens)
+        past_keys, past_values = cache.keys[:, :, :start], cache.values[:, :, :start]
+        outputs, keys, values = self.head(torch.tensor([f.tokens]), f.features[None], f.positions, past_keys, past_values, f.mask)
+        cache.keys[0, :, start : start + count] = keys[0]
+        cache.values[0, :, start : start + count] = values[0]
+        return outputs[0]
+
+    def _run(self, session: FeatureSession, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> Job:
+        """Feeds entries after the cache; the job's value is their outputs (T, H)."""
+        session.forward_passes += 1
+        return (yield HeadForward(session.cache, tokens, features, positions, mask))
+
+    def _feed_committed(self, session: FeatureSession) -> Job:
         n = len(session.tokens)
         if session.committed_entries == n:
             return
@@ -125,14 +151,15 @@ class FeatureDrafter(DrafterEngine):
             previous[rows - first] = session.features[rows - 1]
         count = n - first
         mask = torch.ones(count, n, dtype=torch.bool).tril(first)[None, None]
-        outputs = self._run(session, session.tokens[first:], previous, torch.arange(first, n)[None], mask)
+        outputs = yield from self._run(session, session.tokens[first:], previous, torch.arange(first, n)[None], mask)
         session.committed_entries, session.committed_output = n, outputs[-1]
         session.extra, session.extra_outputs = [], []
 
-    def _feed_context(self, session: FeatureSession, context: list[int]) -> torch.Tensor:
+    def _feed_context(self, session: FeatureSession, context: list[int]) -> Job:
         """Brings the cache up to `context` (committed tokens, then assumed ones each read with
-        the head's output before it); returns the logits of the token that follows (one row)."""
-        self._feed_committed(session)
+        the head's output before it); the job's value is the logits of the token that follows
+        (one row)."""
+        yield from self._feed_committed(session)
         n = len(session.tokens)
         extra = context[n:]
         keep = 0
@@ -143,27 +170,27 @@ class FeatureDrafter(DrafterEngine):
         for token in extra[keep:]:
             before = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
             position = n + len(session.extra)
-            output = self._run(session, [token], before[None], torch.tensor([[position]]), None)[-1]
+            output = (yield from self._run(session, [token], before[None], torch.tensor([[position]]), None))[-1]
             session.extra.append(token)
             session.extra_outputs.append(output)
         last = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
         return self.head.logits(last[None])
 
-    def _draft_tree(self, session: FeatureSession, context: list[int], shape: TreeShape, budget: int) -> DraftTree:
-        root_logits = self._feed_context(session, context)
+    def _draft_tree(self, session: FeatureSession, context: list[int], shape: TreeShape, budget: int) -> Job:
+        root_logits = yield from self._feed_context(session, context)
         root_output = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
         num_context = session.cache.length
         fed: list[int] = []
         outputs: dict[int, torch.Tensor] = {ROOT: root_output}
 
-        def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
+        def expand(tree: DraftTree, nodes: list[int]) -> Job:
             new = [n for n in nodes if n != ROOT]
             rows = {ROOT: 0}
             logits = root_logits
             if new:
                 positions, mask = node_inputs(tree, fed, new, num_context)
                 before = torch.stack([outputs[tree.parent[n]] for n in new])
-                out = self._run(session, [tree.token_ids[n] for n in new], before, positions, mask)
+                out = yield from self._run(session, [tree.token_ids[n] for n in new], before, positions, mask)
                 fed.extend(new)
                 for i, node in enumerate(new):
                     outputs[node], rows[node] = out[i], 1 + i
@@ -171,5 +198,5 @@ class FeatureDrafter(DrafterEngine):
             return self._next_tokens(logits[[rows[n] for n in nodes]], session.sampling)
 
         generator = None if session.sampling.greedy else session.generator
-        return builder_for(shape).build(expand, budget, generator)
+        return (yield from builder_for(shape).build(expand, budget, generator))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from drafter_service.drafter import DrafterEngine, DrafterSession
+from specdec.core.batching import Job
 from specdec.core.models import ModelSpec
 from specdec.core.ngram import NgramProposer
 from specdec.core.tree import DraftTree, TreeShape
@@ -43,7 +44,8 @@ class NgramDrafter(DrafterEngine):
     def _draft_after(
         self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick: bool, pick_excludes: list[int],
         steering: torch.Tensor | None,
-    ) -> tuple[DraftTree, float, list[float]]:
+    ) -> Job:
+        yield from ()  # a job that runs no forward
         proposer = self._proposer(shape)
         if pick:  # overlapped drafting: its pick is the first token of its draft, if it has one
             first = proposer.propose(session.ngram, context, 1 + len(pick_excludes), 1).tree

@@ -7,6 +7,7 @@ import grpc
 
 from drafter_service.drafter import DrafterEngine
 from drafter_service.engines import drafter_for
+from specdec.core.batching import Batcher
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
@@ -30,11 +31,12 @@ from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, engine: DrafterEngine, compute: ComputeThread):
-        self.engine, self.compute = engine, compute
+        self.engine = engine
+        self.batcher = Batcher(compute, engine.forward_many)
 
     @reports_errors
     def Info(self, request, context):
-        return model_info(self.engine, self.engine.spec.source)
+        return model_info(self.engine, self.engine.spec.source, self.batcher)
 
     @reports_errors
     def Draft(self, request: drafter_pb2.DraftRequest, context):
@@ -43,11 +45,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise invalid("session_id is empty")
         if request.HasField("start"):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
-            session = self.compute.run(
-                self.engine.open_session,
-                request.session_id,
-                list(request.start.context_token_ids),
-                sampling,
+            session = self.batcher.call(
+                request.session_id, self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling,
                 request.verifier_tokenizer_fingerprint,
             )
         else:
@@ -70,20 +69,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             except SteeringError as err:
                 raise invalid(str(err)) from None
         with dropped_on_failure(self.engine.sessions, request.session_id):
-            draft = self.compute.run(
-                self.engine.draft,
-                request.session_id,
-                session,
-                list(request.new_token_ids),
-                request.committed_length,
-                request.num_draft_tokens,
-                shape,
-                list(request.assumed_token_ids),
-                steering,
-                features,
-                list(request.pick_excludes),
-                request.round,
+            job = self.engine.draft_job(
+                request.session_id, session, list(request.new_token_ids), request.committed_length, request.num_draft_tokens, shape,
+                list(request.assumed_token_ids), steering, features, list(request.pick_excludes), request.round,
             )
+            draft = self.batcher.run(job, request.session_id)  # the drafts of sessions that arrive together share forwards
         self.engine.sessions.fit(request.session_id)  # the grown cache may push others out
         return drafter_pb2.DraftResponse(
             tree=tree_to_proto(draft.tree),

@@ -2,7 +2,9 @@
 
 A builder decides which nodes to expand and which children to keep; the drafter model
 answers `expand`, which feeds nodes through the model and returns each one's next-token
-distribution. Sampled children carry the proposal they were drawn from (without
+distribution. Both are steps of a batching job (specdec/core/batching.py): `expand` yields the
+forward passes it needs, so `dists = yield from expand(tree, nodes)`, and `build` returns the
+tree when its generator ends. The drafts of many sessions then share each forward. Sampled children carry the proposal they were drawn from (without
 replacement, in the order drawn); deterministic children carry none, which the verifier
 reads as point-mass proposals. Either way verification stays exact.
 """
@@ -10,8 +12,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -41,17 +44,19 @@ class NextToken:
         return (keep if self.tokens is None else self.tokens[keep]), self.probs[keep]
 
 
-# expand(tree, nodes) -> the next-token distribution after each node (ROOT included).
-Expand = Callable[[DraftTree, list[int]], list[NextToken]]
+# expand(tree, nodes): a generator yielding forward passes, whose value is the next-token
+# distribution after each node (ROOT included).
+Expand = Callable[[DraftTree, list[int]], Generator[Any, Any, list[NextToken]]]
 # rescore(path so far, token, the drafter's log-probability of it) -> the score of the token there.
 Rescore = Callable[[list[int], int, float], float]
 
 
 class TreeBuilder(ABC):
     @abstractmethod
-    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
-        """A tree of at most `budget` nodes. rng is None for greedy decoding, when
-        every choice is deterministic (the drafter's top tokens)."""
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> Generator[Any, Any, DraftTree]:
+        """A tree of at most `budget` nodes (the generator's value; it yields what `expand`
+        yields). rng is None for greedy decoding, when every choice is deterministic (the
+        drafter's top tokens)."""
 
 
 def gumbel(shape: int, rng: torch.Generator) -> torch.Tensor:
@@ -79,14 +84,14 @@ class KaryTree(TreeBuilder):
         self.sampled = sampled
         self.max_depth = max_depth
 
-    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> Generator[Any, Any, DraftTree]:
         tree = DraftTree()
         level, depth = [ROOT], 0
         while level and len(tree) < budget and depth < (self.max_depth or budget):
             width = self.branching[depth] if depth < len(self.branching) else 1
             parents = level[: math.ceil((budget - len(tree)) / width)]
             next_level = []
-            for parent, dist in zip(parents, expand(tree, parents)):
+            for parent, dist in zip(parents, (yield from expand(tree, parents))):
                 k = min(width, budget - len(tree))
                 if self.sampled and rng is not None:
                     tokens = sample_without_replacement(dist, k, rng)
@@ -109,14 +114,14 @@ class DynamicTree(TreeBuilder):
         self.width = width
         self.max_depth = max_depth
 
-    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> Generator[Any, Any, DraftTree]:
         candidates, score = DraftTree(), []
         frontier = [ROOT]
         for _ in range(self.max_depth or budget):
             if len(score) >= budget and max(score[n] for n in frontier) < sorted(score, reverse=True)[budget - 1]:
                 break
             new = []
-            for parent, dist in zip(frontier, expand(candidates, frontier)):
+            for parent, dist in zip(frontier, (yield from expand(candidates, frontier))):
                 base = 0.0 if parent == ROOT else score[parent]
                 for token, prob in dist.top(self.width):
                     new.append(candidates.add(token, parent))
@@ -137,13 +142,13 @@ class StochasticBeamTree(TreeBuilder):
         self.width = width
         self.max_depth = max_depth
 
-    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> Generator[Any, Any, DraftTree]:
         tree = DraftTree()
         logp, key = {ROOT: 0.0}, {ROOT: 0.0}  # sequence log-prob and its perturbed key
         beam, depth = [ROOT], 0
         while beam and len(tree) < budget and depth < (self.max_depth or budget):
             choices = []  # (key, parent, token, logp)
-            for parent, dist in zip(beam, expand(tree, beam)):
+            for parent, dist in zip(beam, (yield from expand(tree, beam))):
                 if rng is None:
                     top = dist.top(self.width)
                     tokens, probs = torch.tensor([t for t, _ in top], dtype=torch.long), torch.tensor([p for _, p in top], dtype=torch.float64)
@@ -181,11 +186,11 @@ class LatticeTree(TreeBuilder):
         self.max_depth = max_depth
         self.rescore = rescore
 
-    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> DraftTree:
+    def build(self, expand: Expand, budget: int, rng: torch.Generator | None) -> Generator[Any, Any, DraftTree]:
         chain, lattice = DraftTree(), []
         node = ROOT
         for _ in range(self.max_depth or max(1, budget // 2)):
-            dist = expand(chain, [node])[0]
+            dist = (yield from expand(chain, [node]))[0]
             lattice.append([(token, math.log(prob)) for token, prob in dist.top(self.width)])
             node = chain.add(lattice[-1][0][0], node)
         tree, score, path = DraftTree(), [], {ROOT: []}

@@ -54,6 +54,16 @@ def local_stack(config_dict: dict):
         coord.pair.close()
 
 
+def service_pair(drafter: str, verifier: str):
+    """The coordinator's view of one drafter and one verifier at these addresses."""
+    from coordinator.clients import Replicas, ServicePair
+    from specdec.serving.rpc import MeasuredClient
+    from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
+
+    return ServicePair(*(Replicas.of(name, MeasuredClient(address, service)) for name, address, service in (
+        ("drafter", drafter, DRAFTER_SERVICE), ("verifier", verifier, VERIFIER_SERVICE))))
+
+
 def tiny_config(tiny_dirs, **coordinator) -> dict:
     return {
         "verifier": {"model": str(tiny_dirs["verifier"]), "torch_threads": 1},

@@ -187,8 +187,9 @@ def test_mismatched_tokenizer_is_refused(clients):
 def test_coordinator_refuses_a_mismatched_pair(tiny_dirs):
     import drafter_service.server
     import verifier_service.server
-    from coordinator.clients import PairMismatch, ServicePair
+    from coordinator.clients import PairMismatch
     from specdec.serving.config import config_from_dict
+    from tests.conftest import service_pair
 
     config = config_from_dict(
         {"verifier": {"model": str(tiny_dirs["verifier"])}, "drafter": {"model": str(tiny_dirs["other_words"])}}
@@ -197,7 +198,7 @@ def test_coordinator_refuses_a_mismatched_pair(tiny_dirs):
     d_server, d_port = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
     try:
         with pytest.raises(PairMismatch, match="mismatched tokenizers"):
-            ServicePair(f"localhost:{d_port}", f"localhost:{v_port}")
+            service_pair(f"localhost:{d_port}", f"localhost:{v_port}")
     finally:
         v_server.stop(None)
         d_server.stop(None)

@@ -21,6 +21,7 @@ from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
 from specdec.serving.app import build_app, build_config
+from specdec.serving.autoscaling import SessionsPolicy
 from specdec.serving.config import Config
 from specdec.serving.launch import COORDINATOR_SERVICER
 
@@ -385,8 +386,11 @@ def test_autoscaled_replicas_fit_the_worker_pods_the_autoscaler_may_add(service,
     (Serve's default counts handle requests, which the direct gRPC data plane never makes)."""
     assert _rayservice()["spec"]["rayClusterConfig"].get("enableInTreeAutoscaling")
     section = getattr(_kuberay_config(), service)
-    scaling = section.autoscaling
+    [override] = [d for d in _app(_serve_configs()["RayService serveConfigV2"])["deployments"] if d["name"] == service.capitalize()]
+    scaling = override["autoscaling_config"]
     assert scaling["policy"]["policy_function"] == "specdec.serving.autoscaling:SessionsPolicy"
+    policy = SessionsPolicy(**scaling["policy"]["policy_kwargs"])
+    assert policy.target_sessions >= 1
     pods = sum(_groups()[name]["maxReplicas"] for name in _advertisers(resource))
     per_pod = min(int(_groups()[name]["rayStartParams"]["num-gpus"]) for name in _advertisers(resource)) // section.ray_actor_options["num_gpus"]
     assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"] <= pods * per_pod

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.clients import PairMismatch, ServicePair
+from coordinator.clients import PairMismatch
 from drafter_service.feature_drafter import FeatureDrafter
 from specdec.core.feature_head import FeatureHead, load_feature_fuse, save_feature_head
 from specdec.core.models import ModelSpec, hf_greedy, load_model
@@ -24,7 +24,7 @@ from specdec.serving.rpc import MeasuredClient
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
 from specdec.train.feature_head import FeatureHeadConfig, run_feature_head, unrolled
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
-from tests.conftest import local_stack, tiny_config
+from tests.conftest import local_stack, service_pair, tiny_config
 from tests.test_distill import assert_resumes_after_kill, tiny_prompts  # noqa: F401 (a fixture)
 from tests.test_services import sampled_first_two_tokens
 from verifier_service.verifier import VerifierEngine
@@ -170,7 +170,7 @@ def test_verifier_only_requests_ask_for_no_features(feature_stack):
 def test_a_feature_head_needs_a_verifier_that_sends_features(tiny_dirs, head_dir, feature_stack):
     with local_stack(tiny_config(tiny_dirs)) as plain:
         with pytest.raises(PairMismatch, match="feature head"):
-            ServicePair(feature_stack["drafter"], plain["verifier"])
+            service_pair(feature_stack["drafter"], plain["verifier"])
 
 
 def test_bad_features_are_refused(feature_stack, tiny_dirs):

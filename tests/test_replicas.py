@@ -3,6 +3,7 @@ replica that goes away costs no request (its sessions re-open on another, exactl
 scales the model services by the sessions they hold."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from specdec.core.models import hf_greedy
 from specdec.serving.autoscaling import SessionsPolicy, replicas_for
 from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.config import config_from_dict
+from specdec.serving.launch import APP_NAME
 from tests.conftest import free_port, tiny_config
 
 PROMPTS = [[1, 3, 4, 5], [1, 7], [1, 4, 4, 9, 12, 0], [1, 11, 3, 8, 8, 2, 5, 6], [2, 5, 9], [1, 6, 6, 3, 10]]
@@ -176,36 +178,83 @@ def test_two_replicas_of_each_share_the_sessions_and_one_leaving_costs_no_reques
 # Under Ray Serve.
 
 
+def deploy_declaratively(config: dict, deployments: list[dict]) -> None:
+    """What `serve deploy` with deploy/serve.yaml does: the app from its import path, with
+    Serve's own `deployments:` settings, which change in place (a change of `args` restarts
+    the application)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app = {"name": APP_NAME, "route_prefix": "/", "import_path": "specdec.serving.app:build_app", "args": config, "deployments": deployments}
+    _get_global_client().deploy_apps(ServeDeploySchema(proxy_location="Disabled", applications=[app]))
+
+
+def replicas(n: int) -> list[dict]:
+    return [{"name": "Drafter", "num_replicas": n}, {"name": "Verifier", "num_replicas": n}]
+
+
+@contextlib.contextmanager
+def serve_app(config: dict, deployments: list[dict]):
+    import ray
+    from ray import serve
+
+    from specdec.serving.launch import stop_stack
+    from specdec.serving.rpc import wait_until_serving
+
+    config["coordinator"]["auth"] = {"service_token": "t"}  # a random one per deploy would change the args
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(proxy_location="Disabled")
+        deploy_declaratively(config, deployments)
+        wait_until_serving(f"localhost:{config['coordinator']['port']}", 300)
+        client = CoordinatorClient(f"localhost:{config['coordinator']['port']}")
+        yield client
+        client.close()
+    finally:
+        stop_stack()
+
+
 @pytest.mark.e2e
 def test_under_serve_sessions_spread_over_two_replicas_and_scaling_down_costs_no_request(tiny_dirs, tiny_verifier):
-    from specdec.serving.launch import deploy, start_stack, stop_stack
-
-    port = free_port()
     link = {"rtt_ms": 50}  # rounds slow enough that the scale-down lands mid-stream
-    config = tiny_config(tiny_dirs, port=port, network={"drafter": link, "verifier": link}, num_replicas=2, auth={"service_token": "t"})
-    for service in ("drafter", "verifier"):
-        config[service]["num_replicas"] = 2
-    address = start_stack(config, port, proxies=False)
-    client = CoordinatorClient(address)
+    config = tiny_config(tiny_dirs, port=free_port(), network={"drafter": link, "verifier": link}, num_replicas=2)
     expected = [hf_greedy(tiny_verifier, p, 100) for p in PROMPTS]
-    try:
+    with serve_app(config, replicas(2)) as client:
         results = run_streams(client, PROMPTS, 20)
         assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
         for service in ("verifier", "drafter"):
             assert len({getattr(stats, f"{service}_replica") for _, stats in results}) == 2
 
-        def scale_down():
-            for service in ("drafter", "verifier"):
-                config[service]["num_replicas"] = 1
-            deploy(config, port)  # the same arguments but the scale: Serve removes one replica of each in place
-
-        results = run_streams(client, PROMPTS, 100, between=scale_down)
-        assert [tokens for tokens, _ in results] == expected
+        results = run_streams(client, PROMPTS, 100, between=lambda: deploy_declaratively(config, replicas(1)))
+        assert [tokens for tokens, _ in results] == expected  # the coordinators stayed; moved sessions stayed exact
         assert sum(stats.replica_moves for _, stats in results) >= 1
         results = run_streams(client, PROMPTS, 20)
         assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
         for service in ("verifier", "drafter"):
             assert len({getattr(stats, f"{service}_replica") for _, stats in results}) == 1
-    finally:
-        client.close()
-        stop_stack()
+
+
+@pytest.mark.e2e
+def test_under_serve_the_sessions_policy_adds_a_verifier_replica_under_load(tiny_dirs, tiny_verifier):
+    from ray import serve
+
+    link = {"rtt_ms": 50}
+    config = tiny_config(tiny_dirs, port=free_port(), network={"drafter": link, "verifier": link})
+    policy = {"policy_function": "specdec.serving.autoscaling:SessionsPolicy", "policy_kwargs": {"target_sessions": 2}}
+    scaling = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 600, "metrics_interval_s": 0.5,
+               "look_back_period_s": 2, "policy": policy}
+    expected = [hf_greedy(tiny_verifier, p, 100) for p in PROMPTS]
+
+    def verifier_replicas() -> int:
+        deployment = serve.status().applications[APP_NAME].deployments["Verifier"]
+        return deployment.replica_states.get("RUNNING", 0)
+
+    with serve_app(config, [{"name": "Verifier", "autoscaling_config": scaling}]) as client:
+        assert verifier_replicas() == 1
+        grew = []
+        for _ in range(6):  # 6 sessions want 3 replicas of 2 sessions: Serve asks for its max, 2
+            results = run_streams(client, PROMPTS, 100, between=lambda: grew.append(verifier_replicas()))
+            assert [tokens for tokens, _ in results] == expected
+            if verifier_replicas() == 2:
+                break
+        assert verifier_replicas() == 2, grew

@@ -27,7 +27,7 @@ from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.config import ConfigError, build_dataclass, config_from_dict
 from specdec.train.distill import DistillConfig, run_distill
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from tests.conftest import local_stack
+from tests.conftest import local_stack, service_pair
 from tests.test_services import sampled_first_two_tokens
 from tests.tiny_models import build_model_dir
 
@@ -299,12 +299,11 @@ def test_pairs_that_cannot_steer_run_as_before_and_refuse_steering_requests(stee
     # Plain servers started with halves of two different checkpoints.
     import drafter_service.server
     import verifier_service.server
-    from coordinator.clients import ServicePair
 
     config = config_from_dict(steer_config(steer_dirs))
     v_server, v_port = verifier_service.server.start(config.verifier, str(steer_dirs["steering"]))
     d_server, d_port = drafter_service.server.start(config.drafter, str(steer_dirs["other_steering"]))
-    pair = ServicePair(f"localhost:{d_port}", f"localhost:{v_port}")
+    pair = service_pair(f"localhost:{d_port}", f"localhost:{v_port}")
     assert "different steering checkpoints" in pair.steering_problem()
     pair.close()
     for server in (v_server, d_server):

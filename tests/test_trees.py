@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from drafter_service.tree_builders import NextToken, builder_for
+from specdec.core.batching import run_alone
 from specdec.core.engine import TransformersEngine
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
@@ -59,7 +60,8 @@ def table_expand(table: torch.Tensor, sampled: bool):
     """The drafter side of a builder without a model: the next-token distribution after a
     node is the table row of its token; sampled drafts carry the matching sparse proposal."""
 
-    def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
+    def expand(tree: DraftTree, nodes: list[int]):
+        yield from ()  # a table runs no forward
         out = []
         for node in nodes:
             probs = table[ROOT_TOKEN if node == ROOT else tree.token_ids[node]]
@@ -68,6 +70,11 @@ def table_expand(table: torch.Tensor, sampled: bool):
         return out
 
     return expand
+
+
+def build(builder, expand, budget: int, rng) -> DraftTree:
+    """A builder's tree with an expand that runs no forward."""
+    return run_alone(builder.build(expand, budget, rng), forward_many=None)
 
 
 SHAPES = {
@@ -94,10 +101,10 @@ def check_well_formed(tree: DraftTree, budget: int, vocab: int = VOCAB) -> None:
 @pytest.mark.parametrize("budget", [1, 4, 9])
 def test_builders_respect_budget_and_form(method, budget):
     draft = markov(0, 2.0)
-    greedy_tree = builder_for(SHAPES[method]).build(table_expand(draft, False), budget, None)
+    greedy_tree = build(builder_for(SHAPES[method]), table_expand(draft, False), budget, None)
     check_well_formed(greedy_tree, budget)
     assert not greedy_tree.proposals, "greedy drafts carry no proposals"
-    sampled_tree = builder_for(SHAPES[method]).build(table_expand(draft, True), budget, torch.Generator().manual_seed(1))
+    sampled_tree = build(builder_for(SHAPES[method]), table_expand(draft, True), budget, torch.Generator().manual_seed(1))
     check_well_formed(sampled_tree, budget)
     if method in ("static", "dynamic"):
         assert not sampled_tree.proposals, "deterministic children are point-mass proposals"
@@ -109,10 +116,10 @@ def test_builders_respect_budget_and_form(method, budget):
 
 def test_chain_and_static_shapes():
     draft = markov(0, 2.0)
-    chain = builder_for(TreeShape("chain")).build(table_expand(draft, False), 4, None)
+    chain = build(builder_for(TreeShape("chain")), table_expand(draft, False), 4, None)
     assert chain.parent == [ROOT, 0, 1, 2]
     assert chain.token_ids[0] == int(draft[ROOT_TOKEN].argmax())
-    static = builder_for(TreeShape("static", branching=[3, 2])).build(table_expand(draft, False), 9, None)
+    static = build(builder_for(TreeShape("static", branching=[3, 2])), table_expand(draft, False), 9, None)
     # 3 children of the root, 2 under each, then chains of one
     assert static.depths() == [1, 1, 1, 2, 2, 2, 2, 2, 2]
     assert static.token_ids[:3] == torch.topk(draft[ROOT_TOKEN], 3).indices.tolist()
@@ -138,7 +145,7 @@ def test_dynamic_keeps_the_best_expanded_candidates():
     """With width >= vocabulary every sequence up to max_depth is a candidate, so the kept
     set must be exactly the `budget` likeliest sequences."""
     draft = markov(3, 2.0)
-    tree = builder_for(TreeShape("dynamic", width=VOCAB, max_depth=2)).build(table_expand(draft, False), 7, None)
+    tree = build(builder_for(TreeShape("dynamic", width=VOCAB, max_depth=2)), table_expand(draft, False), 7, None)
     scores = all_sequences_by_logprob(draft, 2)
     best = sorted(scores, key=lambda s: -scores[s])[:7]
     assert paths(tree) == set(best)
@@ -146,7 +153,7 @@ def test_dynamic_keeps_the_best_expanded_candidates():
 
 def test_rsd_s_without_noise_is_beam_search():
     draft = markov(4, 1.0)
-    tree = builder_for(TreeShape("rsd-s", width=2)).build(table_expand(draft, False), 6, None)
+    tree = build(builder_for(TreeShape("rsd-s", width=2)), table_expand(draft, False), 6, None)
     scores = all_sequences_by_logprob(draft, 3)
     beam = [()]
     for depth in range(1, 4):
@@ -161,9 +168,9 @@ def test_lattice_keeps_the_best_prefixes_of_the_chain_lattice_and_rescoring_move
 
     def expand(tree, nodes):
         calls.append([tree.token_ids[n] for n in tree.path_to(nodes[0])] if nodes[0] != ROOT else [])
-        return table_expand(draft, False)(tree, nodes)
+        return (yield from table_expand(draft, False)(tree, nodes))
 
-    tree = builder_for(TreeShape("lattice", width=VOCAB, max_depth=3)).build(expand, 5, None)
+    tree = build(builder_for(TreeShape("lattice", width=VOCAB, max_depth=3)), expand, 5, None)
     chain = calls[-1] + [int(draft[calls[-1][-1]].argmax())]
     assert calls == [chain[:0], chain[:1], chain[:2]]  # the drafter runs the chain only
     # Every token at depth d is scored by the distribution after the chain's token d - 1.
@@ -172,7 +179,7 @@ def test_lattice_keeps_the_best_prefixes_of_the_chain_lattice_and_rescoring_move
     assert paths(tree) == set(sorted(scores, key=lambda s: -scores[s])[:5])
     # A rescorer that likes token 0 everywhere pulls paths of zeros in.
     liked = builder_for(TreeShape("lattice-ngram", width=VOCAB, max_depth=3), rescore=lambda path, token, logq: logq + (0.0 if token == 0 else -20.0))
-    assert paths(liked.build(table_expand(draft, False), 3, None)) == {(0,), (0, 0), (0, 0, 0)}
+    assert paths(build(liked, table_expand(draft, False), 3, None)) == {(0,), (0, 0), (0, 0, 0)}
 
 
 @pytest.mark.parametrize("method", TREE_METHODS)
@@ -186,7 +193,7 @@ def test_tree_verification_is_exact_for_every_builder(method):
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     accepted = 0
     for _ in range(6000):
-        tree = builder.build(table_expand(draft, True), 8, rng)
+        tree = build(builder, table_expand(draft, True), 8, rng)
         rows = torch.stack([target[ROOT_TOKEN]] + [target[t] for t in tree.token_ids])
         path, next_token = accept_sampled(tree, rows, rng)
         accepted += len(path)
@@ -202,7 +209,7 @@ def test_tree_verification_is_exact_for_every_builder(method):
 @pytest.mark.parametrize("method", TREE_METHODS)
 def test_greedy_acceptance_follows_the_target_argmax(method):
     draft, target = markov(0, 3.0), markov(0, 3.0) * 0.5 + markov(1, 3.0) * 0.5
-    tree = builder_for(SHAPES[method]).build(table_expand(draft, False), 8, None)
+    tree = build(builder_for(SHAPES[method]), table_expand(draft, False), 8, None)
     argmax = [int(target[ROOT_TOKEN].argmax())] + [int(target[t].argmax()) for t in tree.token_ids]
     path, next_token = accept_greedy(tree, argmax)
     tokens = [tree.token_ids[n] for n in path] + [next_token]

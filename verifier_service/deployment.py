@@ -9,7 +9,7 @@ from specdec.serving.wire import VERIFIER_SERVICE
 from verifier_service.server import start
 
 
-@serve.deployment(name="Verifier", num_replicas=1)
+@serve.deployment(name="Verifier")
 class VerifierDeployment(ModelReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)

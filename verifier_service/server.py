@@ -23,7 +23,7 @@ from verifier_service.verifier import VerifierEngine
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, compute: ComputeThread):
-        self.engine, self.compute = engine, compute
+        self.engine = engine
         self.batcher = Batcher(compute, engine.forward_many)  # the rounds of sessions that arrive together share passes
 
     @reports_errors
@@ -38,8 +38,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.engine.check_sizes(len(request.tree.token_ids), len(request.tree.parent), request.fused_tokens)
         if request.HasField("start"):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
-            session = self.compute.run(
-                self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling, request.start.prompt_length
+            session = self.batcher.call(
+                request.session_id, self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling,
+                request.start.prompt_length,
             )
         else:
             session = self.engine.sessions.get(request.session_id)

@@ -52,6 +52,11 @@ class Lockstep:
             self.waiting.append((job, call, done))
 
 
+def _at_once(fn: Callable[..., Any], args: tuple) -> Job:
+    yield from ()  # a job that runs no forward
+    return fn(*args)
+
+
 def run_alone(job: Job, forward_many: ForwardMany) -> Any:
     """Runs one job to its end on this thread and returns its value (or raises its error)."""
     outcome: list = []
@@ -88,6 +93,11 @@ class Batcher:
                 self._running = True
                 self.compute.submit(self._loop)
         return future.result()
+
+    def call(self, key: Hashable, fn: Callable[..., Any], *args) -> Any:
+        """fn(*args) on the compute thread between two steps (not after the running jobs end),
+        in turn with the jobs of `key`; returns its value."""
+        return self.run(_at_once(fn, args), key)
 
     def _loop(self) -> None:
         lockstep = Lockstep(self._counted)

@@ -130,7 +130,14 @@ class DrafterSteering(torch.nn.Module):
         deltas = self.deltas(vectors)
         if present is not None:
             deltas = deltas * present[..., None, None].to(deltas.dtype)
-        self._deltas = list(deltas.unbind(-2))
+        with self.applied(list(deltas.unbind(-2))):
+            yield
+
+    @contextmanager
+    def applied(self, layer_deltas: list[torch.Tensor]):
+        """Forwards inside add these per-layer deltas (made once by `deltas`, used for many
+        forwards)."""
+        self._deltas = layer_deltas
         try:
             yield
         finally:

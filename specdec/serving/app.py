@@ -33,20 +33,18 @@ def with_service_token(config: Config) -> Config:
 def build_app(args: dict | None = None) -> Application:
     config = with_service_token(build_config(args))
     as_dict = config_to_dict(config)
-    # The replicas' own arguments leave out how many there are: a change of scale is then one
-    # Serve applies in place, adding or removing replicas, not a restart of every one.
-    for section in ("drafter", "verifier", "coordinator"):
-        for key in ("num_replicas", "autoscaling"):
-            as_dict[section].pop(key, None)
     drafter = None if config.coordinator.drafter_in_process else DrafterDeployment.options(**_scaling(config.drafter)).bind(as_dict)
     verifier = VerifierDeployment.options(**_scaling(config.verifier)).bind(as_dict)
-    return CoordinatorDeployment.options(
-        ray_actor_options=config.coordinator.ray_actor_options, num_replicas=config.coordinator.num_replicas
-    ).bind(as_dict, drafter, verifier)
+    return CoordinatorDeployment.options(**_scaling(config.coordinator)).bind(as_dict, drafter, verifier)
 
 
 def _scaling(service) -> dict:
-    """Where a model service's replicas run, and how many (fixed, or autoscaled)."""
+    """Where a model service's replicas run, and how many (fixed or autoscaled); what the
+    config leaves at its default is left to Serve, so a Serve config's `deployments:` section
+    may set it (and change it in place, where a change of `args` restarts the application)."""
+    options = {"ray_actor_options": service.ray_actor_options}
     if service.autoscaling:
-        return {"ray_actor_options": service.ray_actor_options, "autoscaling_config": service.autoscaling}
-    return {"ray_actor_options": service.ray_actor_options, "num_replicas": service.num_replicas}
+        options["autoscaling_config"] = service.autoscaling
+    elif service.num_replicas != 1:
+        options["num_replicas"] = service.num_replicas
+    return options

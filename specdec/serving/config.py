@@ -180,6 +180,8 @@ class CoordinatorConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
     num_replicas: int = 1  # Ray Serve replicas; they share the client port (SO_REUSEPORT)
+    # Ray Serve autoscaling_config ({} = num_replicas), on the requests through Serve's proxies
+    autoscaling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -265,7 +267,7 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        for name in ("drafter", "verifier"):
+        for name in ("drafter", "verifier", "coordinator"):
             if getattr(self, name).autoscaling:
                 _check_autoscaling(name, getattr(self, name).autoscaling)
         tls = self.coordinator.tls

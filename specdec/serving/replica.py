@@ -44,7 +44,6 @@ class ModelReplica(GrpcReplica):
         context = serve.get_replica_context()
         self._service, self._replica_id = service, context.replica_id.unique_id
         self._directory = replica_directory(context.app_name)
-        self._sessions = 0
         gauges = {
             "active_sessions": metrics.Gauge("specdec_replica_sessions", "sessions a model replica holds"),
             "kv_cache_mib": metrics.Gauge("specdec_replica_kv_cache_mib", "KV cache memory of those sessions"),
@@ -54,6 +53,7 @@ class ModelReplica(GrpcReplica):
         queue_ms = metrics.Gauge("specdec_replica_batch_queue_ms", "mean ms a call waited to join a batch, over the last few seconds")
         before = common_pb2.ModelInfo()
         client, stop = MeasuredClient(f"localhost:{self.port}", service), threading.Event()
+        self._own = client
 
         def run() -> None:
             nonlocal before
@@ -65,7 +65,6 @@ class ModelReplica(GrpcReplica):
                     info, _ = client.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=5)
                 except grpc.RpcError:
                     continue
-                self._sessions = info.active_sessions
                 for field, gauge in gauges.items():
                     gauge.set(getattr(info, field))
                 passes, jobs = info.forward_passes - before.forward_passes, info.batched_jobs - before.batched_jobs
@@ -78,7 +77,8 @@ class ModelReplica(GrpcReplica):
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric: the sessions this replica holds."""
-        return {"sessions": float(self._sessions)}
+        info, _ = self._own.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=5)
+        return {"sessions": float(info.active_sessions)}
 
     def __del__(self):
         """Serve stops this replica: leave the directory first, so coordinators move their
