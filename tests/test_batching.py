@@ -5,12 +5,16 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
-from specdec.core.batching import Batcher
+from drafter_service.drafter import DrafterEngine
+from drafter_service.feature_drafter import FeatureDrafter
+from specdec.core.batching import Batcher, Lockstep, run_alone
 from specdec.core.engine import ComputeThread
 from specdec.core.models import ModelSpec
 from specdec.core.sampling import Sampling
-from specdec.core.tree import DraftTree
+from specdec.core.tree import DraftTree, TreeShape
+from tests.test_feature_head import head_dir  # noqa: F401 - the fixture
 from verifier_service.verifier import VerifierEngine
 
 PROMPTS = [[1, 5, 7, 3, 9], [2, 2, 8], [6, 1, 4, 4, 9, 12, 3], [11, 3]]
@@ -80,3 +84,56 @@ def test_a_failing_job_fails_alone(tiny_dirs):
     result = batcher.run(engine.verify_job(good, 1, TREE, 0), key="good")
     thread.join()
     assert result.committed_length > len(PROMPTS[0]) and len(errors) == 1 and "out of order" in str(errors[0])
+
+
+# The drafter: draft jobs of several sessions share forwards, and each gets its drafts alone.
+
+
+def lockstep_run(jobs, forward_many) -> tuple[list, int]:
+    """The jobs advanced together; their values and the passes they took."""
+    passes, values = [0], [None] * len(jobs)
+
+    def counted(calls):
+        passes[0] += 1
+        return forward_many(calls)
+
+    lockstep = Lockstep(counted)
+    with torch.inference_mode():
+        for i, job in enumerate(jobs):
+            lockstep.add(job, lambda value, error, i=i: values.__setitem__(i, value if error is None else error))
+        while lockstep.waiting:
+            lockstep.step()
+    return values, passes[0]
+
+
+def assert_drafts_batch_exactly(engine, shape: TreeShape, features=lambda committed: None) -> None:
+    """`features(committed)`: what a draft after `committed` tokens is sent (a feature head's)."""
+    def jobs(tag: str, round_number: int, sessions):
+        new = [] if round_number == 1 else [3, 5]  # the second round commits two tokens first
+        return [
+            engine.draft_job(f"{tag}{i}", s, new, len(p) + len(new), 5, shape, features=features(len(p) + len(new)), round_number=round_number)
+            for i, (s, p) in enumerate(zip(sessions, PROMPTS))
+        ]
+
+    open_all = lambda tag: [engine.open_session(f"{tag}{i}", p, Sampling(), "") for i, p in enumerate(PROMPTS)]  # noqa: E731
+    alone_sessions, together_sessions = open_all("alone"), open_all("together")
+    for round_number in (1, 2):
+        alone = [run_alone(job, engine.forward_many) for job in jobs("alone", round_number, alone_sessions)]
+        together, passes = lockstep_run(jobs("together", round_number, together_sessions), engine.forward_many)
+        assert [(d.tree.token_ids, d.tree.parent) for d in together] == [(d.tree.token_ids, d.tree.parent) for d in alone]
+        assert passes < sum(d.forward_passes for d in alone)  # the sessions shared passes
+
+
+@pytest.mark.parametrize("method", ["chain", "dynamic"])
+def test_model_drafts_batched_together_are_the_drafts_each_gets_alone(tiny_dirs, method):
+    engine = DrafterEngine(ModelSpec(str(tiny_dirs["drafter"]), dtype="int8"))
+    assert engine.engine.native_layers is not None
+    assert_drafts_batch_exactly(engine, TreeShape(method, width=2))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_feature_head_drafts_batched_together_are_the_drafts_each_gets_alone(head_dir, dtype):  # noqa: F811
+    engine = FeatureDrafter(ModelSpec(str(head_dir), dtype=dtype))
+    assert (engine.native_layer is not None) == (dtype == "int8")
+    features = lambda committed: (0, torch.randn(committed - 1, 32, generator=torch.Generator().manual_seed(committed)))  # noqa: E731
+    assert_drafts_batch_exactly(engine, TreeShape("dynamic", width=2), features)
