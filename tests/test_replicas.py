@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -189,10 +190,6 @@ def deploy_declaratively(config: dict, deployments: list[dict]) -> None:
     _get_global_client().deploy_apps(ServeDeploySchema(proxy_location="Disabled", applications=[app]))
 
 
-def replicas(n: int) -> list[dict]:
-    return [{"name": "Drafter", "num_replicas": n}, {"name": "Verifier", "num_replicas": n}]
-
-
 @contextlib.contextmanager
 def serve_app(config: dict, deployments: list[dict]):
     import ray
@@ -215,46 +212,43 @@ def serve_app(config: dict, deployments: list[dict]):
 
 
 @pytest.mark.e2e
-def test_under_serve_sessions_spread_over_two_replicas_and_scaling_down_costs_no_request(tiny_dirs, tiny_verifier):
-    link = {"rtt_ms": 50}  # rounds slow enough that the scale-down lands mid-stream
-    config = tiny_config(tiny_dirs, port=free_port(), network={"drafter": link, "verifier": link}, num_replicas=2)
-    expected = [hf_greedy(tiny_verifier, p, 100) for p in PROMPTS]
-    with serve_app(config, replicas(2)) as client:
-        results = run_streams(client, PROMPTS, 20)
-        assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
-        for service in ("verifier", "drafter"):
-            assert len({getattr(stats, f"{service}_replica") for _, stats in results}) == 2
-
-        results = run_streams(client, PROMPTS, 100, between=lambda: deploy_declaratively(config, replicas(1)))
-        assert [tokens for tokens, _ in results] == expected  # the coordinators stayed; moved sessions stayed exact
-        assert sum(stats.replica_moves for _, stats in results) >= 1
-        results = run_streams(client, PROMPTS, 20)
-        assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
-        for service in ("verifier", "drafter"):
-            assert len({getattr(stats, f"{service}_replica") for _, stats in results}) == 1
-
-
-@pytest.mark.e2e
-def test_under_serve_the_sessions_policy_adds_a_verifier_replica_under_load(tiny_dirs, tiny_verifier):
+def test_under_serve_replicas_scale_by_sessions_share_them_and_scaling_down_costs_no_request(tiny_dirs, tiny_verifier):
+    """One app, as `serve deploy` runs it: two coordinators, two drafters, and a verifier that
+    SessionsPolicy grows from one replica to two under load. Then an in-place scale-down to one
+    of each, mid-stream."""
     from ray import serve
 
-    link = {"rtt_ms": 50}
-    config = tiny_config(tiny_dirs, port=free_port(), network={"drafter": link, "verifier": link})
+    link = {"rtt_ms": 50}  # rounds slow enough that scaling lands mid-stream
+    config = tiny_config(tiny_dirs, port=free_port(), network={"drafter": link, "verifier": link}, num_replicas=2)
     policy = {"policy_function": "specdec.serving.autoscaling:SessionsPolicy", "policy_kwargs": {"target_sessions": 2}}
     scaling = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 600, "metrics_interval_s": 0.5,
                "look_back_period_s": 2, "policy": policy}
     expected = [hf_greedy(tiny_verifier, p, 100) for p in PROMPTS]
 
     def verifier_replicas() -> int:
-        deployment = serve.status().applications[APP_NAME].deployments["Verifier"]
-        return deployment.replica_states.get("RUNNING", 0)
+        return serve.status().applications[APP_NAME].deployments["Verifier"].replica_states.get("RUNNING", 0)
 
-    with serve_app(config, [{"name": "Verifier", "autoscaling_config": scaling}]) as client:
+    with serve_app(config, [{"name": "Drafter", "num_replicas": 2}, {"name": "Verifier", "autoscaling_config": scaling}]) as client:
         assert verifier_replicas() == 1
-        grew = []
         for _ in range(6):  # 6 sessions want 3 replicas of 2 sessions: Serve asks for its max, 2
-            results = run_streams(client, PROMPTS, 100, between=lambda: grew.append(verifier_replicas()))
+            results = run_streams(client, PROMPTS, 100)
             assert [tokens for tokens, _ in results] == expected
             if verifier_replicas() == 2:
                 break
-        assert verifier_replicas() == 2, grew
+        assert verifier_replicas() == 2
+        time.sleep(3)  # the new replica has announced itself; the coordinators read the directory every 2 s
+
+        results = run_streams(client, PROMPTS, 20)  # new sessions spread over both replicas of each
+        assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
+        for service in ("verifier", "drafter"):
+            assert len({getattr(stats, f"{service}_replica") for _, stats in results}) == 2
+
+        # Down to one of each; the autoscaling policy stays (a policy change restarts the app).
+        one = [{"name": "Drafter", "num_replicas": 1}, {"name": "Verifier", "autoscaling_config": scaling | {"max_replicas": 1}}]
+        results = run_streams(client, PROMPTS, 100, between=lambda: deploy_declaratively(config, one))
+        assert [tokens for tokens, _ in results] == expected  # the coordinators stayed; moved sessions stayed exact
+        assert sum(stats.replica_moves for _, stats in results) >= 1
+        results = run_streams(client, PROMPTS, 20)
+        assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
+        for service in ("verifier", "drafter"):
+            assert len({getattr(stats, f"{service}_replica") for _, stats in results}) == 1
