@@ -317,21 +317,29 @@ class PairSession:
 
     @property
     def can_draft(self) -> bool:
-        """A feature head drafts only once the verifier has read the prompt and sent its features."""
-        return not self.features or self._feature_count > 0
+        """A feature head drafts after the verifier's features of every committed position but
+        the last (a verify call that asks for them brings them up to date)."""
+        return not self.features or self._feature_count >= len(self.context) - 1
 
-    def verify(self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0) -> tuple[verifier_pb2.VerifyResponse, ServiceCall]:
+    def verify(
+        self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0, features: bool = False
+    ) -> tuple[verifier_pb2.VerifyResponse, ServiceCall]:
+        """One round on the verifier. `features`: bring the verifier's features up to date (a
+        feature-head session's verifier keeps them; a round whose next one will not draft
+        needs none)."""
         def request(reopen: bool) -> verifier_pb2.VerifyRequest:
             if reopen:
                 self._verifier_round = 0
             message = verifier_pb2.VerifyRequest(
                 session_id=self.session_id, round=self._verifier_round + 1, fused_tokens=fused_tokens, steering=self.steering,
-                features=self.features,
+                features=self.features and features,
             )
             if tree is not None:
                 message.tree.CopyFrom(tree)
             if reopen:
-                message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=self.context, sampling=self.sampling, prompt_length=self.prompt_length))
+                message.start.CopyFrom(common_pb2.SessionStart(
+                    context_token_ids=self.context, sampling=self.sampling, prompt_length=self.prompt_length, keep_features=self.features,
+                ))
             return message
 
         reply, call = self._call(self.pair.verifier, "Verify", verifier_pb2.VerifyResponse, request, not self._verifier_open, self.VERIFY_RETRIES)

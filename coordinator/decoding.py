@@ -155,10 +155,11 @@ def decode_rounds(
     true, the next round starts without waiting for the drafter. A draft whose nodes carry
     confidences is cut to the nodes worth their verify cost (`costs`, measured every round)."""
     generated, ahead = 0, None  # ahead: an overlapped draft, with the plan it was made for
+    deferred = None  # a plan that waits one round for the verifier's features
     standby = DrafterStandby(meter)
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
-        plan = policy.choose()
+        plan, deferred = deferred or policy.choose(), None
         depth = min(shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
         draft = None
         if plan.budget and depth > 0 and session.can_draft and standby.ready():
@@ -177,11 +178,15 @@ def decode_rounds(
         if draft is not None and not draft.tree.token_ids:
             draft, fused = None, 1  # nothing to propose (an n-gram drafter without a match): ask again after a token
         elif draft is None:
-            # Before a feature head can draft, one verifier token brings the prompt's features.
-            fused = min(fused_block, remaining) if session.can_draft else 1
+            fused = min(fused_block, remaining)
+        features = False  # the verifier keeps a feature head's features; they travel before drafting rounds
+        if draft is None and plan.budget and not session.can_draft and standby.ready():
+            # A feature head drafts from the features of every committed position: one verifier
+            # token brings them, and the plan runs next round.
+            fused, features, deferred = 1, True, plan
         if draft is None:  # the verifier alone: by plan, with nothing drafted, or without a drafter
             plan, ahead = Plan(0), None
-            verdict, verify_call = session.verify(None, fused_tokens=fused)
+            verdict, verify_call = session.verify(None, fused_tokens=fused, features=features)
             report = RoundReport(
                 plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms, verify_call.opened,
                 verdict.batch_rows, verdict.batch_sessions,
@@ -191,10 +196,10 @@ def decode_rounds(
         else:
             structure = DraftTree(list(draft.tree.token_ids), list(draft.tree.parent))  # parents only: no proposals needed here
             if overlap is None:
-                verdict, verify_call = session.verify(draft.tree)
+                verdict, verify_call = session.verify(draft.tree, features=True)
             else:
                 context_length = len(session.context)
-                verifying = overlap.submit(session.verify, draft.tree)
+                verifying = overlap.submit(session.verify, draft.tree, 0, True)
                 assumed, excludes = overlap_guess(structure, meter.accepted_counts)
                 next_draft, next_call = standby.draft(session, plan.budget, round_shape, assumed, context_length, excludes)
                 verdict, verify_call = verifying.result()

@@ -40,7 +40,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
             session = self.batcher.call(
                 request.session_id, self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling,
-                request.start.prompt_length,
+                request.start.prompt_length, request.start.keep_features,
             )
         else:
             session = self.engine.sessions.get(request.session_id)

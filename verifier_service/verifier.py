@@ -69,6 +69,11 @@ class VerifierSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
     prompt_length: int = 0  # the leading tokens that were the request's prompt
     passes: list[PassSize] = field(default_factory=list)  # the passes the running round has been in
+    # keep_features: the fused features of positions [0, len(feature_rows)) kept, float16,
+    # and how many of them were sent; rounds that ask for none send none.
+    keep_features: bool = False
+    feature_rows: list[torch.Tensor] = field(default_factory=list)
+    features_sent: int = 0
 
     @property
     def num_cached(self) -> int:
@@ -112,11 +117,17 @@ class VerifierEngine:
         if fused_tokens and num_nodes:
             raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
 
-    def open_session(self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0) -> VerifierSession:
+    def open_session(
+        self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0, keep_features: bool = False
+    ) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
         if prompt_length > len(context):
             raise invalid(f"start.prompt_length {prompt_length} exceeds the context's {len(context)} tokens")
-        session = VerifierSession(list(context), sampling, self.engine.new_cache(), prompt_length=prompt_length or len(context))
+        if keep_features and self.fuse is None:
+            raise invalid("start.keep_features asks for features, but this verifier has no feature head checkpoint loaded (a feature-head drafter's directory)")
+        session = VerifierSession(
+            list(context), sampling, self.engine.new_cache(), prompt_length=prompt_length or len(context), keep_features=keep_features
+        )
         self.sessions.put(session_id, session)
         return session
 
@@ -165,7 +176,8 @@ class VerifierEngine:
             session.passes = []
             features_start = session.num_cached
             # The residual-stream depths the round reads: all of them to steer, the fused three for features.
-            depths = tuple(range(self.model.config.num_hidden_layers + 1)) if steering else tuple(self.fuse.layers) if features else ()
+            fuse = features or session.keep_features
+            depths = tuple(range(self.model.config.num_hidden_layers + 1)) if steering else tuple(self.fuse.layers) if fuse else ()
             if len(tree) == 0:
                 new_tokens, read = yield from self._generate(session, max(fused_tokens, 1), depths)
                 num_accepted = 0
@@ -177,10 +189,18 @@ class VerifierEngine:
             vector = vector_to_tensor_fields(self.steering(_at(read, -1))) if steering else None
             steering_ms = (time.perf_counter() - steering_start) * 1e3
             features_begun = time.perf_counter()
-            if features:
-                fused = vector_to_tensor_fields(self.fuse.fuse_depths(torch.stack([read[depths.index(i)] for i in self.fuse.layers], dim=-2)))
-            else:
-                fused = None
+            rows = self.fuse.fuse_depths(torch.stack([read[depths.index(i)] for i in self.fuse.layers], dim=-2)) if fuse else None
+            fused = None
+            if session.keep_features:
+                del session.feature_rows[features_start:]  # a re-fed position's row is replaced
+                session.feature_rows.extend(rows.to(torch.float16).unbind(0))
+                session.features_sent = min(session.features_sent, features_start)
+                if features and session.features_sent < len(session.feature_rows):
+                    features_start = session.features_sent
+                    fused = vector_to_tensor_fields(torch.stack(session.feature_rows[features_start:]))
+                    session.features_sent = len(session.feature_rows)
+            elif features:
+                fused = vector_to_tensor_fields(rows)
             features_ms = (time.perf_counter() - features_begun) * 1e3
             compute_ms = (time.perf_counter() - start) * 1e3
             session.tokens.extend(new_tokens)

@@ -119,11 +119,13 @@ class EndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class SessionStart(_message.Message):
-    __slots__ = ("context_token_ids", "sampling", "prompt_length")
+    __slots__ = ("context_token_ids", "sampling", "prompt_length", "keep_features")
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     prompt_length: int
-    def __init__(self, context_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
+    keep_features: bool
+    def __init__(self, context_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ..., keep_features: _Optional[bool] = ...) -> None: ...
