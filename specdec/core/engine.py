@@ -24,16 +24,19 @@ from specdec.core.kv_cache import KVCache, TransformersCache
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # the native layer's "no mask"
 _TINY = 1e-12  # the smallest scale: an all-zero row quantizes to zeros instead of NaN
+_EXACT_SLICE = 1024  # 1024 products of at most 127 * 127 sum below 2**24: exact in float32
 
 
 class Int8Linear(torch.nn.Module):
     """A linear layer with int8 weights (per output channel) and int8 activations (per row).
 
     On a CPU the engine's native kernel (specdec/core/kernels) quantizes the rows and streams
-    the packed weights once for up to 16 rows at a time. Without it, one row runs ATen's int8
-    matrix multiply and several rows oneDNN's prepacked int8 kernel. All of them sum the same
-    integers exactly and convert the sum to float32 the same way, so the kernel never changes
-    a result."""
+    the packed weights once for many rows at a time. Without it, a CPU multiplies the integers
+    as float32 in slices of K short enough that every partial sum is an exact integer (below
+    2**24 whatever the order), and other devices run ATen's int8 matrix multiply. (oneDNN's
+    int8 kernels are not exact on CPUs without VNNI: their 16-bit pair sums saturate.) All of
+    them sum the same integers exactly and convert the sum to float32 the same way, so the
+    kernel never changes a result."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, smoothing: torch.Tensor | None = None):
         super().__init__()
@@ -46,10 +49,9 @@ class Int8Linear(torch.nn.Module):
         if self.kernels is not None:
             self.register_buffer("packed", self.kernels.pack_weight(weight), persistent=False)
             self.register_buffer("sums", self.kernels.weight_sums(weight), persistent=False)
-        else:
-            self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(weight, None), persistent=False)
-            self._ones = torch.ones(self.out_features)
-            self._zeros = torch.zeros(self.out_features, dtype=torch.long)
+        elif weight.device.type == "cpu":
+            slices = weight.float().t().split(_EXACT_SLICE)
+            self._slices = [(start, part.contiguous()) for start, part in zip(range(0, self.in_features, _EXACT_SLICE), slices)]
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, input_range: torch.Tensor | None = None) -> "Int8Linear":
@@ -86,14 +88,11 @@ class Int8Linear(torch.nn.Module):
             rows = rows * self.smoothing
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / 127
         quantized = torch.round(rows / row_scale)
-        if rows.shape[0] == 1:
-            sums = torch._int_mm(quantized.to(torch.int8), self.weight.t()).float()
-        else:  # oneDNN takes unsigned activations with a zero point: x + 128, zero point 128
-            shifted = quantized.add_(128).to(torch.uint8)
-            sums = torch.ops.onednn.qlinear_pointwise(
-                shifted, 1.0, 128, self.packed, self._ones, self._zeros, None, 1.0, 0, torch.float32, "none", [], ""
-            )
-        out = sums * (row_scale * self.scale)
+        if rows.device.type == "cpu":
+            sums = sum((quantized[:, start : start + len(part)] @ part).to(torch.int32) for start, part in self._slices)
+        else:
+            sums = torch._int_mm(quantized.to(torch.int8), self.weight.t())
+        out = sums.float() * (row_scale * self.scale)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

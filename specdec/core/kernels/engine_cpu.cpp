@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -17,17 +18,25 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int64_t kBlock = 16;  // output channels per packed block: one vector
-// Rows multiplied in one pass over a block's weights: up to 16 accumulators stay in registers,
-// and with 16 rows a byte of weights feeds 16 multiply-adds, so the weights stream from memory
-// once while the arithmetic hides under the transfer.
+// Rows multiplied in one pass over a block's weights: their accumulators stay in registers
+// (16 with AVX-512's 32 registers, 4 with AVX2's 16; more row groups re-read the block from
+// L1), so the weights stream from memory once while the arithmetic hides under the transfer.
+// The AVX-512 and scalar sums take activations as q + 128 (unsigned) and subtract 128 sum(w)
+// after; the AVX2 sums take q itself: kZeroPoint is what the sums carry.
+#if defined(__AVX512VNNI__) || !defined(__AVX2__)
 constexpr int64_t kRows = 16;
+constexpr int32_t kZeroPoint = 128;
+#else
+constexpr int64_t kRows = 4;
+constexpr int32_t kZeroPoint = 0;
+#endif
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -35,6 +44,24 @@ int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1
 // The lanes of a 16-wide vector that hold one of the `remaining` elements.
 __mmask16 lanes_of(int64_t remaining) {
   return remaining >= 16 ? __mmask16(0xFFFF) : remaining > 0 ? static_cast<__mmask16>((1u << remaining) - 1) : __mmask16(0);
+}
+#elif defined(__AVX2__)
+// The lanes of an 8-wide vector that hold one of the `remaining` elements (all bits set).
+__m256i lanes_of(int64_t remaining) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(remaining, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Sum of 8 lanes in one fixed order.
+float sum_of(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+float max_of(__m256 v) {
+  const __m128 four = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
 }
 #endif
 
@@ -130,6 +157,34 @@ void block_dot(const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t 
     for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[r][c]);
     _mm512_storeu_si512(acc + r * kBlock, total);
   }
+#elif defined(__AVX2__)
+  // No 4-way byte dot product: q * w pairs through vpmaddubsw (unsigned x signed, summed to
+  // int16), then to int32. vpmaddubsw saturates, so it multiplies |q| by w carrying q's sign:
+  // each pair is then at most 2 * 127 * 127, below the int16 limit, and the sums are exact.
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256i low[R], high[R];  // channels 0-7 and 8-15
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_si256();
+  const int8_t* next = block + k_steps * 64;
+  for (int64_t s = 0; s < k_steps; ++s) {
+    _mm_prefetch(reinterpret_cast<const char*>(next + s * 64), _MM_HINT_T1);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + s * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + s * 64 + 32));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * x_stride + s * 4, 4);
+      const __m256i q = _mm256_xor_si256(_mm256_set1_epi32(four), flip);  // q + 128 -> q
+      const __m256i magnitude = _mm256_abs_epi8(q);
+      low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w0, q)), ones));
+      high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w1, q)), ones));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kBlock), low[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kBlock + 8), high[r]);
+  }
 #else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kBlock; ++c) {
@@ -150,13 +205,13 @@ void rows_dot(int rows, const uint8_t* x, int64_t x_stride, const int8_t* block,
   block_dot<R>(x, x_stride, block, k_steps, acc);
 }
 
-// One row of one block: out[c] = float(acc[c] - 128 sum(w[c])) * (row_scale * w_scale[c]) (+ bias[c]).
+// One row of one block: out[c] = float(acc[c] - kZeroPoint sum(w[c])) * (row_scale * w_scale[c]) (+ bias[c]).
 void epilogue(const int32_t* acc, const int32_t* wsum, const float* ws, const float* bias, float row_scale, int64_t col0,
               int64_t n, float* out) {
 #if defined(__AVX512F__)
   for (int64_t c = 0; c < kBlock && col0 + c < n; c += 16) {
     const __mmask16 inside = lanes_of(n - col0 - c);
-    const __m512i sums = _mm512_sub_epi32(_mm512_loadu_si512(acc + c), _mm512_slli_epi32(_mm512_loadu_si512(wsum + col0 + c), 7));
+    const __m512i sums = _mm512_sub_epi32(_mm512_loadu_si512(acc + c), _mm512_mullo_epi32(_mm512_loadu_si512(wsum + col0 + c), _mm512_set1_epi32(kZeroPoint)));
     const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(row_scale), _mm512_maskz_loadu_ps(inside, ws + col0 + c));
     __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
     if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(inside, bias + col0 + c));
@@ -164,7 +219,7 @@ void epilogue(const int32_t* acc, const int32_t* wsum, const float* ws, const fl
   }
 #else
   for (int64_t c = 0; c < kBlock && col0 + c < n; ++c) {
-    float value = static_cast<float>(acc[c] - 128 * wsum[col0 + c]) * (row_scale * ws[col0 + c]);
+    float value = static_cast<float>(acc[c] - kZeroPoint * wsum[col0 + c]) * (row_scale * ws[col0 + c]);
     if (bias) value = value + bias[col0 + c];
     out[col0 + c] = value;
   }
@@ -259,6 +314,23 @@ __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__)
+// exp(x) for 8 lanes, the same reduction and polynomial as exp16; 2^n built in the exponent bits.
+__m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
 #endif
 
 // Scores q . k / sqrt(d) of G query heads (q rows [G][d]) against keys [0, needed) held
@@ -308,6 +380,42 @@ void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim,
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores + g * score_stride + j, inside, _mm512_mul_ps(acc[g], scaling));
   }
+#elif defined(__AVX2__)
+  const __m256 scaling = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 16 <= needed; j += 16) {  // G heads times two blocks of keys: up to eight chains
+    __m256 acc[G][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const float* row = keys_t + d * stride + j;
+      const __m256 k0 = _mm256_loadu_ps(row), k1 = _mm256_loadu_ps(row + 8);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m256 qd = _mm256_set1_ps(q[g * dim + d]);
+        acc[g][0] = _mm256_fmadd_ps(qd, k0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(qd, k1, acc[g][1]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      _mm256_storeu_ps(scores + g * score_stride + j, _mm256_mul_ps(acc[g][0], scaling));
+      _mm256_storeu_ps(scores + g * score_stride + j + 8, _mm256_mul_ps(acc[g][1], scaling));
+    }
+  }
+  for (; j < needed; j += 8) {
+    const __m256i inside = lanes_of(needed - j);
+    __m256 acc[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m256 k = _mm256_maskload_ps(keys_t + d * stride + j, inside);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(q[g * dim + d]), k, acc[g]);
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) _mm256_maskstore_ps(scores + g * score_stride + j, inside, _mm256_mul_ps(acc[g], scaling));
+  }
 #else
   for (int g = 0; g < G; ++g)
     for (int64_t j = 0; j < needed; ++j) {
@@ -336,6 +444,22 @@ float softmax_numerators(float* scores, int64_t count) {
     sum = _mm512_add_ps(sum, e);
   }
   return _mm512_reduce_add_ps(sum);
+#elif defined(__AVX2__)
+  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 top = lowest;
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256i real = lanes_of(count - j);
+    top = _mm256_max_ps(top, _mm256_blendv_ps(lowest, _mm256_maskload_ps(scores + j, real), _mm256_castsi256_ps(real)));
+  }
+  const __m256 largest = _mm256_set1_ps(max_of(top));  // a maximum is the same in any order
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256i real = lanes_of(count - j);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(scores + j, real), largest)), _mm256_castsi256_ps(real));
+    _mm256_maskstore_ps(scores + j, real, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return sum_of(sum);
 #else
   float largest = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < count; ++j) largest = std::max(largest, scores[j]);
@@ -372,6 +496,25 @@ void weighted_values(const float* values, int64_t dim, const int64_t* seen, int6
     }
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * out_stride + 16 * c, _mm512_div_ps(acc[g][c], _mm512_set1_ps(totals[g])));
+    return;
+  }
+#elif defined(__AVX2__)
+  if (dim % 32 == 0) {  // one head and 32 channels at a time: four accumulators
+    for (int g = 0; g < G; ++g)
+      for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+        __m256 acc[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < count; ++j) {
+          const float* value = values + seen[j] * dim + d0;
+          const __m256 p = _mm256_set1_ps(weights[g * weight_stride + j]);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * c), acc[c]);
+        }
+        const __m256 total = _mm256_set1_ps(totals[g]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + g * out_stride + d0 + 8 * c, _mm256_div_ps(acc[c], total));
+      }
     return;
   }
 #endif
@@ -508,6 +651,16 @@ void swiglu(const float* gate, const float* up, const float* delta, int64_t n, f
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
     _mm512_mask_storeu_ps(out + i, inside, _mm512_mul_ps(silu, u));
+  }
+#elif defined(__AVX2__)
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i inside = lanes_of(n - i);
+    const __m256 g = _mm256_maskload_ps(gate + i, inside);
+    __m256 u = _mm256_maskload_ps(up + i, inside);
+    if (delta) u = _mm256_add_ps(u, _mm256_maskload_ps(delta + i, inside));
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    _mm256_maskstore_ps(out + i, inside, _mm256_mul_ps(silu, u));
   }
 #else
   for (int64_t i = 0; i < n; ++i) {
