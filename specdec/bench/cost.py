@@ -11,18 +11,21 @@ import torch
 from tqdm import tqdm
 
 from specdec.core.engine import TransformersEngine, engine_for
+from specdec.core.feature_head import is_feature_head
 from specdec.core.models import ModelSpec, load_model
 
 
 def _engines(config) -> dict[str, tuple[str, object]]:
-    """name -> (role, engine): the served verifier and drafter, and float32 transformers."""
+    """name -> (role, engine): the served verifier, float32 transformers, and the served drafter
+    where it is a model."""
     served = config.verifier.model
     engines = {f"served verifier ({served.dtype})": ("verifier", engine_for(load_model(served), served.dtype))}
     if served.dtype != "float32":
         fp32 = ModelSpec(served.source, served.layers, "float32", served.device)
         engines["float32 transformers verifier"] = ("verifier", TransformersEngine(load_model(fp32)))
     drafter = config.drafter.model
-    engines[f"served drafter ({drafter.dtype})"] = ("drafter", engine_for(load_model(drafter), drafter.dtype))
+    if not is_feature_head(drafter.source):  # a head is no causal LM of its own: its steps show in the served bench's draft_ms
+        engines[f"served drafter ({drafter.dtype})"] = ("drafter", engine_for(load_model(drafter), drafter.dtype))
     return engines
 
 
