@@ -530,38 +530,60 @@ void weighted_values(const float* values, int64_t dim, const int64_t* seen, int6
   }
 }
 
-// Attention for T queries (q [T, heads, d] rows) over the first `length` positions of a cache
-// holding keys [kv_heads][d][capacity] (transposed) and values [kv_heads][capacity][d];
-// `allowed` [T, length] or null (causal: query t sees positions up to start + t).
-// Writes out [T, heads * d]. One work item is one row's query heads of one key/value head.
-void attend(const float* q, int64_t t, int64_t heads, int64_t dim, const float* keys_t, const float* values, int64_t kv_heads,
-            int64_t capacity, int64_t length, int64_t start, const bool* allowed, float* out) {
-  const int64_t groups = heads / kv_heads, head_stride = capacity * dim, padded = round_up(length, 16);
+// One sequence's attention: t queries (q [t, heads, d] rows) over the first `length` positions
+// of its cache, keys [kv_heads][d][capacity] (transposed) and values [kv_heads][capacity][d];
+// `allowed` [t, length] or null (causal: query r sees positions up to start + r). Writes
+// out [t, heads * d].
+struct AttentionSegment {
+  const float* q;
+  int64_t t;
+  const float* keys_t;
+  const float* values;
+  int64_t capacity, length, start;
+  const bool* allowed;
+  float* out;
+};
+
+// The attention of every segment in one parallel region (a region costs more than one
+// one-token segment's work). One work item is one row's query heads of one key/value head.
+void attend(const std::vector<AttentionSegment>& segments, int64_t heads, int64_t dim, int64_t kv_heads) {
+  const int64_t groups = heads / kv_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(dim));
-  at::parallel_for(0, t * kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<int64_t> seen(length);
+  std::vector<int64_t> ends;  // items of segments 0..i
+  int64_t longest = 0;
+  for (const auto& segment : segments) {
+    ends.push_back((ends.empty() ? 0 : ends.back()) + segment.t * kv_heads);
+    longest = std::max(longest, segment.length);
+  }
+  if (ends.empty()) return;
+  const int64_t padded = round_up(longest, 16);
+  at::parallel_for(0, ends.back(), 1, [&](int64_t first, int64_t last) {
+    std::vector<int64_t> seen(longest);
     std::vector<float> all_scores(4 * padded), weights(4 * padded), totals(4);
     for (int64_t item = first; item < last; ++item) {
-      const int64_t kv = item / t, row = item % t;  // one key/value head's rows in turn: its keys stay in cache
+      const size_t index = std::upper_bound(ends.begin(), ends.end(), item) - ends.begin();
+      const AttentionSegment& sg = segments[index];
+      const int64_t local = item - (index ? ends[index - 1] : 0);
+      const int64_t kv = local / sg.t, row = local % sg.t;  // one key/value head's rows in turn: its keys stay in cache
       int64_t count = 0;
-      if (allowed) {
-        for (int64_t j = 0; j < length; ++j)
-          if (allowed[row * length + j]) seen[count++] = j;
+      if (sg.allowed) {
+        for (int64_t j = 0; j < sg.length; ++j)
+          if (sg.allowed[row * sg.length + j]) seen[count++] = j;
       } else {
-        for (int64_t j = 0; j <= start + row; ++j) seen[count++] = j;
+        for (int64_t j = 0; j <= sg.start + row; ++j) seen[count++] = j;
       }
       const int64_t needed = count ? seen[count - 1] + 1 : 0;
       int64_t prefix = 0;  // seen[j] == j up to here (the committed context): copied, not gathered
       while (prefix < count && seen[prefix] == prefix) ++prefix;
-      const float* qs = q + (row * heads + kv * groups) * dim;
-      const float* k = keys_t + kv * head_stride;
-      const float* v = values + kv * head_stride;
-      float* o = out + row * heads * dim + kv * groups * dim;
+      const float* qs = sg.q + (row * heads + kv * groups) * dim;
+      const float* k = sg.keys_t + kv * sg.capacity * dim;
+      const float* v = sg.values + kv * sg.capacity * dim;
+      float* o = sg.out + row * heads * dim + kv * groups * dim;
       for (int64_t g = 0; g < groups;) {  // up to four query heads share each pass over keys and values
         const int64_t take = std::min<int64_t>(4, groups - g);
         const auto heads_of = [&](auto group) {
           constexpr int G = decltype(group)::value;
-          scores_of<G>(qs + g * dim, k, capacity, dim, needed, scale, all_scores.data(), padded);
+          scores_of<G>(qs + g * dim, k, sg.capacity, dim, needed, scale, all_scores.data(), padded);
           for (int h = 0; h < G; ++h) {
             float* w = weights.data() + h * padded;
             const float* from = all_scores.data() + h * padded;
@@ -608,8 +630,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   const int64_t t = q.size(0), heads = q.size(1), dim = q.size(2);
   auto out = torch::empty({t, heads * dim}, torch::kFloat32);
   torch::Tensor holder;
-  attend(q.data_ptr<float>(), t, heads, dim, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(0), keys.size(2),
-         length, start, mask_rows(mask, t, length, holder), out.data_ptr<float>());
+  attend({{q.data_ptr<float>(), t, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), length, start,
+           mask_rows(mask, t, length, holder), out.data_ptr<float>()}},
+         heads, dim, keys.size(0));
   return out;
 }
 
@@ -722,6 +745,8 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> wei
 
   qkv.quantize(t, hidden, [&](int64_t r, float* row) { rms_norm(h + r * hidden, norm_in, epsilon, hidden, row); }, xq, row_scale);
   qkv.multiply(xq, row_scale, t, projected.data());
+  std::vector<AttentionSegment> attention;
+  std::vector<torch::Tensor> mask_holders(segments);
   int64_t first = 0;  // the segment's first row
   for (size_t i = 0; i < segments; first += counts[i], ++i) {
     float* kp = keys[i].data_ptr<float>();
@@ -743,11 +768,11 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> wei
         std::memcpy(vp + (head * capacity + position) * dim, row + q_size + kv_size + head * dim, dim * sizeof(float));
       }
     }
-    torch::Tensor holder;
     const c10::optional<torch::Tensor> mask = masks[i].numel() ? c10::optional<torch::Tensor>(masks[i]) : c10::nullopt;
-    attend(q.data() + first * q_size, counts[i], heads, dim, kp, vp, kv_heads, capacity, length, start,
-           mask_rows(mask, counts[i], length, holder), attended.data() + first * q_size);
+    attention.push_back({q.data() + first * q_size, counts[i], kp, vp, capacity, length, start,
+                         mask_rows(mask, counts[i], length, mask_holders[i]), attended.data() + first * q_size});
   }
+  attend(attention, heads, dim, kv_heads);
   o.quantize(t, q_size, [&](int64_t r, float* row) { std::memcpy(row, attended.data() + r * q_size, q_size * sizeof(float)); }, xq, row_scale);
   o.multiply(xq, row_scale, t, projected.data());
 
