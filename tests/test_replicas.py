@@ -192,14 +192,13 @@ def deploy_declaratively(config: dict, deployments: list[dict]) -> None:
 
 @contextlib.contextmanager
 def serve_app(config: dict, deployments: list[dict]):
-    import ray
     from ray import serve
 
-    from specdec.serving.launch import stop_stack
+    from specdec.serving.launch import start_local_ray, stop_stack
     from specdec.serving.rpc import wait_until_serving
 
     config["coordinator"]["auth"] = {"service_token": "t"}  # a random one per deploy would change the args
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray()
     try:
         serve.start(proxy_location="Disabled")
         deploy_declaratively(config, deployments)
