@@ -472,8 +472,9 @@ float softmax_numerators(float* scores, int64_t count) {
 #endif
 }
 
-// out[g] = sum_j weights[g][j] v_seen[j] / totals[g] for G query heads sharing the keys: each
-// value row is loaded once for all of them, and each head's sum runs over j in order.
+// out[g] = sum_j weights[g][j] v_seen[j] / totals[g] for G query heads sharing the keys; each
+// head's sum runs over j in order. With AVX-512 each value row is loaded once for all heads;
+// AVX2's 16 registers hold one head's 32 channels at a time.
 template <int G>
 void weighted_values(const float* values, int64_t dim, const int64_t* seen, int64_t count, const float* weights, int64_t weight_stride,
                      const float* totals, float* out, int64_t out_stride) {
