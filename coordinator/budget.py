@@ -16,9 +16,13 @@ All inputs are exponential moving averages of what the rounds measured:
   teaches what a chain of 2 would accept; for trees, accepted tokens per plan;
 - T_draft per plan;
 - T_pass by the rows of a pass (all sessions' tokens fed), piecewise linear over what was
-  measured; a fused block costs `block` passes; N, the sessions per pass, as the verifier
-  reports them;
-- wire time per call on each link (round trip, serialization, bandwidth), shared by all plans.
+  measured; a fused block costs `block` passes; N, the sessions per pass: the requests in
+  flight at this coordinator now, times the share of them the verifier reported in its passes
+  (a burst of requests is priced as a burst from its first round on, before any reports);
+- wire time per call on each link (round trip, serialization, bandwidth), shared by all plans;
+- the coordinator's own time per round, which no call accounts for: one figure for the
+  verifier's rounds alone, one for speculative rounds (two calls and a tree to handle), so
+  that a one-token chain does not look as cheap as its calls alone.
 Every plan is tried once at the start. After that, every `revisit_every` rounds (times the
 sessions per pass) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
 estimate already follows the network, and the revisits refresh the rest (the drafter link's
@@ -27,6 +31,7 @@ time while the verifier alone was winning, and slowly drifting acceptance).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -61,6 +66,12 @@ class RoundReport:
     opened: bool = False  # a call (re)opened a session: its times include reading the whole context
     batch_rows: float = 0.0  # the verifier's passes this round: mean rows of all sessions (0 = not reported: this round's own)
     batch_sessions: float = 0.0  # and mean sessions sharing them (0 = not reported: 1)
+    wall_ms: float = 0.0  # the whole round at the coordinator (0 = not measured)
+
+    @property
+    def unaccounted_ms(self) -> float:
+        """The round's time that no call accounts for: the coordinator's own work."""
+        return max(self.wall_ms - self.draft_ms - self.verify_ms - self.draft_wire_ms - self.verify_wire_ms, 0.0)
 
     @property
     def passes(self) -> int:
@@ -103,12 +114,14 @@ class Ema:
 
 class PassCost:
     """T(rows), the time of a verifier pass over `rows` tokens of all sessions: an EMA of rows
-    and of ms per power-of-two bucket of rows, joined by straight lines and extended past
-    both ends by the nearest line. Not one line for all: a pass costs ~0.5 ms per extra row of
-    one session's tree but ~1.5 ms per row of many sessions (each row reads its own cache), and
-    a line fitted to the narrow range of one load flattened out, pricing speculation for 32
-    sessions like the verifier alone. One bucket measured: flat (optimistic, so that larger
-    passes get tried and measured)."""
+    and of ms per power-of-two bucket of rows, joined by straight lines; below the smallest,
+    the first line. Not one line for all: a pass costs ~0.5 ms per extra row of one session's
+    tree but ~1.5 ms per row of many sessions (each row reads its own cache), and a line fitted
+    to the narrow range of one load flattened out, pricing speculation for 32 sessions like the
+    verifier alone. Past the largest bucket, the least-squares slope of all buckets: the last
+    line alone came out flat where a bucket mixed one session's trees with many sessions' rows,
+    and priced 16-node trees for 32 sessions (544 rows) like 32 rows. One bucket measured: flat
+    (optimistic, so that larger passes get tried and measured)."""
 
     def __init__(self, decay: float):
         self.decay = decay
@@ -125,10 +138,20 @@ class PassCost:
             return None
         if len(points) == 1:
             return points[0][1]
-        index = min(max(sum(x <= rows for x, _ in points), 1), len(points) - 1)
-        (x0, y0), (x1, y1) = points[index - 1], points[index]
-        slope = max((y1 - y0) / (x1 - x0), 0.0) if x1 > x0 else 0.0
-        return max(y0 + slope * (rows - x0), 1e-3)
+        if rows > points[-1][0]:
+            (x0, y0), slope = points[-1], _least_squares_slope(points)
+        else:
+            index = min(max(sum(x <= rows for x, _ in points), 1), len(points) - 1)
+            (x0, y0), (x1, y1) = points[index - 1], points[index]
+            slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+        return max(y0 + max(slope, 0.0) * (rows - x0), 1e-3)
+
+
+def _least_squares_slope(points: list[tuple[float, float]]) -> float:
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
 
 class BudgetController:
@@ -139,7 +162,7 @@ class BudgetController:
     ACCEPTANCE_DECAY, COMPUTE_DECAY, WIRE_DECAY = 0.97, 0.9, 0.7
     PRIOR_WEIGHT = 2.0  # optimistic acceptance priors count as this many rounds
 
-    def __init__(self, plans: list[Plan], fused_block: int, revisit_every: int = 64):
+    def __init__(self, plans: list[Plan], fused_block: int, revisit_every: int = 64, in_flight: Callable[[], int] = lambda: 1):
         if not plans:
             raise ValueError("the controller needs at least one plan")
         self.plans = list(plans)
@@ -149,8 +172,10 @@ class BudgetController:
         self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}
         self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
         self.pass_ms = PassCost(self.COMPUTE_DECAY)  # by the rows of the pass, all sessions'
-        self.sessions = Ema(self.WIRE_DECAY)  # per verifier pass: the load, which changes as fast as the network
+        self.in_flight = in_flight  # requests at this coordinator now, this controller's or not
+        self.pass_share = Ema(self.WIRE_DECAY)  # sessions per verifier pass / requests in flight
         self.draft_wire_ms, self.verify_wire_ms = Ema(self.WIRE_DECAY), Ema(self.WIRE_DECAY)
+        self.own_ms = {speculative: Ema(self.COMPUTE_DECAY) for speculative in (False, True)}  # per round
         self.last_round = {p: -1 for p in self.plans}
         self.round = self.last_revisit = 0
         self._lock = threading.Lock()
@@ -174,14 +199,18 @@ class BudgetController:
             total += reach
         return total
 
+    def sessions(self) -> float:
+        """Sessions per verifier pass, now."""
+        return max(self.in_flight() * self.pass_share.get(1.0), 1.0)
+
     def expected_tokens_per_s(self, plan: Plan) -> float:
-        sessions = self.sessions.get(1.0)
+        sessions = self.sessions()
         if plan.budget == 0:
             step = self.pass_ms(round(sessions)) or 1.0
-            return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0)) * 1e3
+            return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0) + self.own_ms[False].get(0.0)) * 1e3
         accepted = self.expected_accepted(plan)
         verify = self.pass_ms(round(sessions * (1 + plan.budget))) or 1.0  # fed: the last round's token and the draft
-        seconds_ms = self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0)
+        seconds_ms = self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0) + self.own_ms[True].get(0.0)
         return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
 
     def choose(self) -> Plan:
@@ -191,7 +220,7 @@ class BudgetController:
             unmeasured = self.last_round[stale] < 0
             # N sessions make rounds N times as often, and a revisit under load slows them all:
             # revisits come N times fewer rounds apart.
-            if unmeasured or self.round - self.last_revisit >= self.revisit_every * self.sessions.get(1.0):
+            if unmeasured or self.round - self.last_revisit >= self.revisit_every * self.sessions():
                 choice, self.last_revisit = stale, self.round
             else:
                 choice = max(self.plans, key=self.expected_tokens_per_s)
@@ -204,10 +233,12 @@ class BudgetController:
         (the verifier alone, always the first round of a feature head) for many rounds."""
         with self._lock:
             plan = report.plan
+            self.pass_share.add((report.batch_sessions or 1.0) / max(self.in_flight(), 1))
             if not report.opened:
                 self.verify_wire_ms.add(report.verify_wire_ms)
                 self.pass_ms.add(report.pass_rows, report.verify_ms / report.passes)
-                self.sessions.add(report.batch_sessions or 1.0)
+                if report.wall_ms:
+                    self.own_ms[plan.budget > 0].add(report.unaccounted_ms)
                 if plan.budget:
                     self.draft_wire_ms.add(report.draft_wire_ms)
                     self.draft_ms[plan].add(report.draft_ms)

@@ -157,6 +157,7 @@ def decode_rounds(
     generated, ahead = 0, None  # ahead: an overlapped draft, with the plan it was made for
     deferred = None  # a plan that waits one round for the verifier's features
     standby = DrafterStandby(meter)
+    began = time.perf_counter()  # the round's start: the last one's end, so what the caller does between rounds counts
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
         plan, deferred = deferred or policy.choose(), None
@@ -219,7 +220,13 @@ def decode_rounds(
             meter.accepted += verdict.num_accepted_draft_tokens
             meter.accepted_counts[verdict.num_accepted_draft_tokens] += 1
             meter.drafted += nodes
-        policy.observe(report)
+        ended = time.perf_counter()
+        report.wall_ms = (ended - began) * 1e3
+        # A round that fetched features is part of the cost of the plan that needed them, next
+        # round (but not one that read the prompt: a request's first round is no plan's cost).
+        if not features or report.opened:
+            began = ended
+            policy.observe(report)
         meter.add_call(verify_call, is_draft=False)
         meter.add_plan(plan)
         generated += len(verdict.token_ids)

@@ -79,14 +79,16 @@ class Coordinator:
         # Greedy and sampled decoding accept differently, and overlap hides the drafter's
         # cost: one cost model for each combination.
         self.verify_costs = VerifyCosts()  # what the verifier's calls cost, by size: n-gram drafts are cut to it
+        self.in_flight = 0  # requests holding a slot: the load the controllers price
         self.controllers = {
-            (greedy, overlap): BudgetController(plans, config.fused_block_tokens, revisit_every=adaptive.revisit_every)
+            (greedy, overlap): BudgetController(plans, config.fused_block_tokens, adaptive.revisit_every, lambda: self.in_flight)
             for greedy in (True, False)
             for overlap in (True, False)
         }
         self.verify_pool = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="verify")
         self.largest_budget = max(p.budget for p in plans)
         self.slots = threading.BoundedSemaphore(limits.max_concurrent_requests)
+        self.in_flight_lock = threading.Lock()
 
     @contextmanager
     def slot(self, context=None):
@@ -97,9 +99,13 @@ class Coordinator:
             limit = self.limits.max_concurrent_requests
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is serving its limit of {limit} requests; retry later")
         once = threading.Lock()  # whoever takes it first gives the slot back
+        with self.in_flight_lock:
+            self.in_flight += 1
 
         def release() -> None:
             if once.acquire(blocking=False):
+                with self.in_flight_lock:
+                    self.in_flight -= 1
                 self.slots.release()
 
         if context is not None and hasattr(context, "add_callback"):

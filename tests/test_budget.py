@@ -12,6 +12,7 @@ import pytest
 
 from coordinator.budget import (
     BudgetController,
+    PassCost,
     Plan,
     RoundReport,
     VerifyCosts,
@@ -147,6 +148,40 @@ def test_speculation_gives_way_to_the_verifier_alone_as_the_batch_grows(sessions
     worlds = [LoadedWorld(0.8, sessions, seed) for seed in range(5)]
     assert all((max(PLANS, key=w.expected_tokens_per_s) == Plan(0)) == (sessions == 32) for w in worlds)
     assert_settles_near_the_best(worlds)
+
+
+def test_a_burst_is_priced_as_a_burst_from_its_first_round():
+    """Idle, speculation wins; when 32 requests arrive at once, their first choices are made
+    before any of them reports its pass: priced by the last load the verifier reported, each
+    would start with a speculative round for all 32 (one 32 x 33-row pass for a tree). The
+    requests in flight at the coordinator price them as a burst at once."""
+    in_flight = [1]
+    controller = BudgetController(PLANS, FUSED_BLOCK, in_flight=lambda: in_flight[0])
+    idle, burst = LoadedWorld(0.8, 1), LoadedWorld(0.8, 32)
+    assert preferred(settle(controller, idle)).budget > 0
+    for plan in PLANS:  # the pass costs of every load are known, as after earlier bursts
+        report = burst.round(plan)
+        controller.pass_ms.add(report.pass_rows, report.verify_ms / report.passes)
+    assert controller.choose().budget > 0
+    in_flight[0] = 32
+    assert [controller.choose() for _ in range(32)] == [Plan(0)] * 32
+    # The share of them in each pass is learned: two verifier replicas halve it.
+    for _ in range(30):
+        report = burst.round(Plan(0))
+        report.batch_sessions = 16
+        controller.observe(report)
+    assert controller.sessions() == pytest.approx(16, rel=0.01)
+
+
+def test_passes_past_the_largest_measured_are_priced_by_every_bucket():
+    """A bucket that mixes one session's 33-row trees (cheap: one cache) with 32 sessions' one-row
+    passes came out barely dearer than the 16-row bucket; the last line alone then priced a
+    544-row pass (16-node trees for 32 sessions) like a 33-row one."""
+    cost = PassCost(decay=0.9)
+    for rows, ms in ((1, 11.0), (16, 60.0), (32, 62.0), (33, 64.0)):
+        cost.add(rows, ms)
+    assert cost(24) == pytest.approx(61.0, abs=1.0)  # between buckets: the line joining them
+    assert cost(544) > 10 * cost(33)
 
 
 def test_rounds_that_read_a_prompt_teach_acceptance_but_not_cost():

@@ -79,7 +79,7 @@ def start(
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
-        VerifierEngine, config.model, steering_checkpoint, feature_checkpoint, limits,
+        VerifierEngine, config.model, steering_checkpoint, feature_checkpoint, limits, config.prefix_cache_mib,
     )
     servicer = VerifierServicer(engine, compute)
     return start_model_server(lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), VERIFIER_SERVICE, config.host, config.port, limits, service_token)

@@ -23,6 +23,7 @@ from specdec.core.models import (
     max_context,
     tokenizer_fingerprint,
 )
+from specdec.core.prefix_cache import BLOCK_TOKENS, PrefixCache
 from specdec.core.sampling import (
     Sampling,
     accept_greedy,
@@ -83,6 +84,7 @@ class VerifierSession:
 class VerifierEngine:
     def __init__(
         self, spec: ModelSpec, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(),
+        prefix_cache_mib: float = 0.0,
     ):
         self.spec = spec
         self.model = load_model(spec)
@@ -105,6 +107,10 @@ class VerifierEngine:
         if feature_checkpoint:
             self.fuse, self.feature_fingerprint = load_feature_fuse(feature_checkpoint, self.model), feature_fingerprint(feature_checkpoint)
         self.feature_size = self.model.config.hidden_size if self.fuse else 0
+        # Prompts read before, for sessions that start alike; with the states a feature head fuses.
+        self.prefix = None
+        if prefix_cache_mib and self.engine.batch_invariant:
+            self.prefix = PrefixCache(int(prefix_cache_mib * 2**20), tuple(self.fuse.layers) if self.fuse else ())
 
     def check_sizes(self, num_nodes: int, num_parents: int, fused_tokens: int) -> None:
         """The size limits of a Verify call, checked before any work (a session opened, a tree
@@ -271,14 +277,28 @@ class VerifierEngine:
 
     def _prefill(self, session: VerifierSession, depths: tuple[int, ...]) -> Job:
         """Feeds the prompt but its last token into a new session's cache in one fast pass (the
-        same pass whichever way the session decodes); returns that pass's hidden states when
-        asked for, else None."""
-        count = session.prompt_length - 1
-        if session.num_cached or count < 1:
+        same pass whichever way the session decodes), after the longest prefix of it that the
+        prefix cache holds; returns the hidden states at `depths` of those positions when asked
+        for, else None."""
+        prompt = session.tokens[: session.prompt_length - 1]
+        if session.num_cached or not prompt:
             return None
-        (_, states), size = yield ForwardCall(session.cache, session.tokens[:count], 1, hidden_states=depths, prefill=True)
-        session.passes.append(size)
-        return states
+        cached = self.prefix is not None and set(depths) <= set(self.prefix.depths)
+        if not cached:
+            (_, states), size = yield ForwardCall(session.cache, prompt, 1, hidden_states=depths, prefill=True)
+            session.passes.append(size)
+            return states
+        blocks = self.prefix.match(prompt)
+        every = self.prefix.load(blocks, session.cache) if blocks else None  # one tensor per depth the cache keeps
+        start = len(blocks) * BLOCK_TOKENS
+        if start < len(prompt):
+            (_, states), size = yield ForwardCall(session.cache, prompt[start:], 1, hidden_states=self.prefix.depths)
+            session.passes.append(size)
+            read = tuple(h[0] for h in states or ())
+            every = read if every is None else tuple(torch.cat(pair) for pair in zip(every, read))
+        self.prefix.store(prompt, session.cache, every)
+        self.prefix.count(start, len(prompt) - start)
+        return tuple(every[self.prefix.depths.index(d)][None] for d in depths) if depths else None
 
 
 def _at(hidden_states: tuple, position: int) -> tuple:

@@ -266,6 +266,12 @@ class LlamaEngine(torch.nn.Module):
     def kv_bytes_per_token(self) -> int:
         return self.new_cache().bytes_per_token
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's results depend on its own sequence alone, whatever else a pass
+        holds: the native layers. Cached rows of a prompt can then stand for a fresh read."""
+        return self.native_layers is not None
+
     def new_cache(self) -> KVCache:
         native_attention = self._native_attention() is not None
         # Without the native kernel attention runs in float64 (see _attention); keys and values
@@ -430,6 +436,8 @@ class TransformersEngine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return 2 * config.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
+
+    batch_invariant = False  # its kernels' sums change with the pass
 
     def __call__(
         self,

@@ -45,7 +45,24 @@ class KVCache:
         return self.length
 
     def _positions(self, tensor: torch.Tensor) -> int:
-        return 3 if tensor is self.keys and self.transposed_keys else 2
+        return self.key_positions if tensor is self.keys else 2
+
+    @property
+    def key_positions(self) -> int:
+        """The dimension of `keys` that runs over positions."""
+        return 3 if self.transposed_keys else 2
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of positions [start, end)."""
+        return self.keys.narrow(self.key_positions, start, end - start).clone(), self.values.narrow(2, start, end - start).clone()
+
+    def write_rows(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Sets positions [start, start + n) (reserved) to `keys` and `values` (as `rows` gives
+        them) and drops any after them."""
+        count = values.shape[2]
+        self.keys.narrow(self.key_positions, start, count).copy_(keys)
+        self.values.narrow(2, start, count).copy_(values)
+        self.length = start + count
 
     def reserve(self, length: int) -> None:
         capacity = self.values.shape[2]

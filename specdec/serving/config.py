@@ -58,6 +58,10 @@ class DrafterConfig(ServiceConfig):
 class VerifierConfig(ServiceConfig):
     """The verifier's settings (what one call may ask of it is in `limits`)."""
 
+    # Prompt prefixes kept for sessions that start alike (a system prompt, a repeated prompt):
+    # their keys and values are copied, not computed again. Native engine only; 0 = none.
+    prefix_cache_mib: float = 256.0
+
 
 @dataclass
 class LimitsConfig:
@@ -251,6 +255,7 @@ class Config:
             (self.coordinator.adaptive.hybrid_ngram in NGRAM_METHODS, f"coordinator.adaptive.hybrid_ngram must be one of {', '.join(NGRAM_METHODS)}"),
             (self.coordinator.adaptive.revisit_every >= 2, "coordinator.adaptive.revisit_every must be >= 2"),
             (self.coordinator.num_replicas >= 1, "coordinator.num_replicas must be >= 1"),
+            (self.verifier.prefix_cache_mib >= 0, "verifier.prefix_cache_mib must be >= 0 (0 = no prefix cache)"),
         ]
         for name in ("drafter", "verifier"):
             service = getattr(self, name)

@@ -51,6 +51,7 @@ class ModelReplica(GrpcReplica):
         }
         batch_size = metrics.Gauge("specdec_replica_batch_size", "mean sessions' calls per forward pass, over the last few seconds")
         queue_ms = metrics.Gauge("specdec_replica_batch_queue_ms", "mean ms a call waited to join a batch, over the last few seconds")
+        prefix_hits = metrics.Gauge("specdec_replica_prefix_hit_share", "share of new sessions' prompt tokens the prefix cache held, over the last few seconds")
         before = common_pb2.ModelInfo()
         client, stop = MeasuredClient(f"localhost:{self.port}", service), threading.Event()
         self._own = client
@@ -70,6 +71,8 @@ class ModelReplica(GrpcReplica):
                 passes, jobs = info.forward_passes - before.forward_passes, info.batched_jobs - before.batched_jobs
                 batch_size.set((info.batched_calls - before.batched_calls) / passes if passes else 0.0)
                 queue_ms.set((info.batch_queue_ms - before.batch_queue_ms) / jobs if jobs else 0.0)
+                hit, read = info.prefix_hit_tokens - before.prefix_hit_tokens, info.prefix_read_tokens - before.prefix_read_tokens
+                prefix_hits.set(hit / (hit + read) if hit + read else 0.0)
                 before = info
 
         threading.Thread(target=run, name="replica-announce", daemon=True).start()

@@ -47,6 +47,7 @@ def model_info(engine, model_name: str, batcher=None) -> common_pb2.ModelInfo:
     """What a service runs, and its load. A drafter without a model (n-gram) reports no
     tokenizer, vocabulary or context limit: it takes any verifier's token ids."""
     config = engine.model.config if engine.model is not None else None
+    prefix = getattr(engine, "prefix", None)  # the verifier's
     return common_pb2.ModelInfo(
         model=model_name,
         vocab_size=engine.vocab_size if config else 0,
@@ -66,6 +67,8 @@ def model_info(engine, model_name: str, batcher=None) -> common_pb2.ModelInfo:
         batched_calls=batcher.calls if batcher else 0,
         batched_jobs=batcher.jobs if batcher else 0,
         batch_queue_ms=batcher.queue_ms if batcher else 0.0,
+        prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
+        prefix_read_tokens=prefix.read_tokens if prefix else 0,
     )
 
 
