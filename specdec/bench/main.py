@@ -191,6 +191,7 @@ def run_bench(args) -> int:
         report = run_concurrency(args, config, prompt_ids, app_args, trees[0], budgets[0])
         report["config"] = {
             "verifier": config.verifier.model.__dict__,
+            "prefix_cache_mib": config.verifier.prefix_cache_mib,
             "drafter": config.drafter.model.__dict__,
             "question_ids": [p["question_id"] for p in prompts],
             "max_new_tokens": args.max_new_tokens,
@@ -205,6 +206,7 @@ def run_bench(args) -> int:
         report = run_rtt_sweep(args, config, prompt_ids, app_args)
         report["config"] = {
             "verifier": config.verifier.model.__dict__,
+            "prefix_cache_mib": config.verifier.prefix_cache_mib,
             "drafter": config.drafter.model.__dict__,
             "question_ids": [p["question_id"] for p in prompts],
             "max_new_tokens": args.max_new_tokens,
