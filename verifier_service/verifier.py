@@ -75,6 +75,7 @@ class VerifierSession:
     keep_features: bool = False
     feature_rows: list[torch.Tensor] = field(default_factory=list)
     features_sent: int = 0
+    unfused: torch.Tensor | None = None  # [rows, 3, hidden]: the depths of the positions after feature_rows, not fused yet
 
     @property
     def num_cached(self) -> int:
@@ -195,18 +196,16 @@ class VerifierEngine:
             vector = vector_to_tensor_fields(self.steering(_at(read, -1))) if steering else None
             steering_ms = (time.perf_counter() - steering_start) * 1e3
             features_begun = time.perf_counter()
-            rows = self.fuse.fuse_depths(torch.stack([read[depths.index(i)] for i in self.fuse.layers], dim=-2)) if fuse else None
+            depth_rows = torch.stack([read[depths.index(i)] for i in self.fuse.layers], dim=-2) if fuse else None
             fused = None
             if session.keep_features:
-                del session.feature_rows[features_start:]  # a re-fed position's row is replaced
-                session.feature_rows.extend(rows.to(torch.float16).unbind(0))
-                session.features_sent = min(session.features_sent, features_start)
+                self._keep_features(session, features_start, depth_rows, fuse_now=features)
                 if features and session.features_sent < len(session.feature_rows):
                     features_start = session.features_sent
                     fused = vector_to_tensor_fields(torch.stack(session.feature_rows[features_start:]))
                     session.features_sent = len(session.feature_rows)
             elif features:
-                fused = vector_to_tensor_fields(rows)
+                fused = vector_to_tensor_fields(self.fuse.fuse_depths(depth_rows))
             features_ms = (time.perf_counter() - features_begun) * 1e3
             compute_ms = (time.perf_counter() - start) * 1e3
             session.tokens.extend(new_tokens)
@@ -217,6 +216,28 @@ class VerifierEngine:
             )
             session.last_round, session.last_result = round_number, result
             return result
+
+    FUSE_EVERY = 64  # kept features are fused in batches of this many rows, or when asked for
+
+    def _keep_features(self, session: VerifierSession, start: int, depth_rows: torch.Tensor, fuse_now: bool) -> None:
+        """Keeps the features of positions [start, start + len(depth_rows)): a re-fed position's
+        replaces its old one. The fusing waits until the features are asked for (a drafting round
+        is next) or FUSE_EVERY rows have gathered: one matrix product per call cost ~1 ms, paid on
+        the compute thread every round of every session that might draft."""
+        done = len(session.feature_rows)
+        if start < done:
+            del session.feature_rows[start:]
+            pending = depth_rows
+        elif session.unfused is not None:
+            pending = torch.cat([session.unfused[: start - done], depth_rows])
+        else:
+            pending = depth_rows
+        if fuse_now or len(pending) >= self.FUSE_EVERY:
+            session.feature_rows.extend(self.fuse.fuse_depths(pending).to(torch.float16).unbind(0))
+            session.unfused = None
+        else:
+            session.unfused = pending
+        session.features_sent = min(session.features_sent, start)
 
     def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, depths: tuple[int, ...], **masking) -> Job:
         """(logits of the last num_logits positions, the hidden states at `depths` (indices into
