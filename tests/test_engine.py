@@ -228,7 +228,7 @@ def test_native_decoder_layers_compute_what_the_torch_layers_compute(tiny_model)
     with torch.inference_mode(), steering.steer(torch.randn(16)):
         for layers in (engine.native_layers, None):
             engine.native_layers = layers
-            cache = engine.new_cache()
+            cache = engine.new_cache() if layers is None else float32_cache(engine)  # float rounding only, not float16's
             engine(cache, [1, 5, 7, 3])
             logits, hidden = engine(cache, [9, 2] + tree.token_ids, 5, position_ids=positions, attention_mask=mask, hidden_states=True)
             results.append((logits, hidden, cache.values[:, :, :9].clone()))
@@ -236,6 +236,28 @@ def test_native_decoder_layers_compute_what_the_torch_layers_compute(tiny_model)
     assert torch.allclose(native_logits, torch_logits, atol=2e-3, rtol=1e-3)
     assert all(torch.allclose(a, b, atol=2e-3, rtol=1e-3) for a, b in zip(native_hidden, torch_hidden))
     assert torch.allclose(native_values, torch_values, atol=2e-3, rtol=1e-3)
+
+
+def float32_cache(engine: LlamaEngine) -> KVCache:
+    return KVCache(len(engine.layers), engine.num_kv_heads, engine.head_dim, torch.float32, "cpu", transposed_keys=True)
+
+
+def test_native_layers_keep_a_float16_cache_of_the_float32_values(tiny_model):
+    """The native layers cache keys and values in float16 (half the bytes attention reads):
+    each written value is the float32 one rounded to float16, and the logits stay close."""
+    model = load_model_weights_only(tiny_model.name_or_path, torch.float32).eval()
+    quantize_linears(model)
+    engine = LlamaEngine(model)
+    assert engine.native_layers is not None, "the native engine kernels did not build on this machine (see the log)"
+    half = engine.new_cache()
+    assert half.values.dtype == torch.float16
+    results = []
+    with torch.inference_mode():
+        for cache in (half, float32_cache(engine)):
+            results.append((engine(cache, [1, 5, 7, 3, 9, 2], 6)[0], cache.values[0, :, :6].clone(), cache.keys[0, :, :, :6].clone()))
+    (half_logits, half_values, half_keys), (full_logits, full_values, full_keys) = results
+    assert torch.equal(half_values, full_values.half()) and torch.equal(half_keys, full_keys.half())  # the first layer's: same inputs
+    assert (half_logits - full_logits).abs().max() < 0.05 * full_logits.abs().max()  # rounding, through int8 activations
 
 
 @pytest.mark.parametrize("transposed_keys", [False, True])

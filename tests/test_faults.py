@@ -304,8 +304,9 @@ def test_kv_memory_is_bounded_per_session_and_in_total(tiny_dirs, tiny_verifier)
     from specdec.serving.sessions import SessionStore
     from tests.conftest import local_stack
 
-    per_token = engine_for(load_model(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8")), "int8").kv_bytes_per_token
-    # A session's cache starts at 256 positions: the total holds one session, not two.
+    # The served (float32) verifier's cache per token. A session's cache starts at 256
+    # positions: the total holds one session, not two.
+    per_token = engine_for(load_model(ModelSpec(str(tiny_dirs["verifier"]))), "float32").kv_bytes_per_token
     limits = {"max_session_kv_mib": 40 * per_token / 2**20, "max_kv_mib": 1.5 * 256 * per_token / 2**20}
     config = tiny_config(tiny_dirs, num_draft_tokens=2) | {"limits": limits}
     with local_stack(config) as stack:

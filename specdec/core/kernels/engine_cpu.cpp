@@ -33,9 +33,14 @@ constexpr int64_t kBlock = 16;  // output channels per packed block: one vector
 #if defined(__AVX512VNNI__) || !defined(__AVX2__)
 constexpr int64_t kRows = 16;
 constexpr int32_t kZeroPoint = 128;
+constexpr int64_t kPlanes = 1;
 #else
+#define SPECDEC_MADDUBS 1
 constexpr int64_t kRows = 4;
 constexpr int32_t kZeroPoint = 0;
+// vpmaddubsw multiplies unsigned by signed bytes: the rows are kept twice, |q| then q, so
+// the inner loop takes both as they are instead of recomputing |q| for every block.
+constexpr int64_t kPlanes = 2;
 #endif
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
@@ -64,6 +69,34 @@ float max_of(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
 }
 #endif
+
+// KV cache elements are float32 or float16: under many sessions attention is bound by reading
+// the caches, and float16 halves the bytes. Loads widen to float32 and every sum stays float32.
+// A float16 cache's capacity is a multiple of 16, so a full vector read at any position below
+// it stays inside the row; lanes past the positions in use are masked off after the load.
+#if (defined(__AVX2__) || defined(__AVX512F__)) && !defined(__F16C__)
+#error "the vector kernels read float16 caches with F16C"
+#endif
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(__mmask16 inside, const float* p) { return _mm512_maskz_loadu_ps(inside, p); }
+inline __m512 load16(__mmask16 inside, const c10::Half* p) { return _mm512_maskz_mov_ps(inside, load16(p)); }
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(__m256i inside, const float* p) { return _mm256_maskload_ps(p, inside); }
+inline __m256 load8(__m256i inside, const c10::Half* p) { return _mm256_and_ps(load8(p), _mm256_castsi256_ps(inside)); }
+#endif
+
+template <typename T>
+T to_cache(float value) {
+  if constexpr (std::is_same_v<T, float>) {
+    return value;
+  } else {
+    return T(std::min(std::max(value, -65504.f), 65504.f));  // saturate: no key or value becomes infinite
+  }
+}
 
 // Weights int8 [N, K] -> [N/16, K/4, 16, 4]: each 64-byte step holds four consecutive inputs
 // of 16 output channels, the order VNNI's 4-way dot product reads them in.
@@ -102,6 +135,23 @@ float quantize_row(const float* x, const float* smoothing, int64_t k, int64_t k_
     const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(rounded), _mm512_set1_epi32(128));
     _mm_mask_storeu_epi8(out + i, lanes(i), _mm512_cvtepi32_epi8(shifted));
   }
+#elif defined(__AVX2__)
+  const auto smoothed = [&](int64_t i) {
+    const __m256i inside = lanes_of(k - i);
+    const __m256 v = _mm256_maskload_ps(x + i, inside);
+    return smoothing ? _mm256_mul_ps(v, _mm256_maskload_ps(smoothing + i, inside)) : v;
+  };
+  const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 top = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(smoothed(i), magnitude_bits));
+  const float scale = std::max(max_of(top), 1e-12f) / 127.f;
+  const __m256 divisor = _mm256_set1_ps(scale);
+  int32_t shifted[8];
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m256 rounded = _mm256_round_ps(_mm256_div_ps(smoothed(i), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(shifted), _mm256_add_epi32(_mm256_cvtps_epi32(rounded), _mm256_set1_epi32(128)));
+    for (int64_t j = 0; j < 8 && i + j < k; ++j) out[i + j] = static_cast<uint8_t>(shifted[j]);
+  }
 #else
   std::vector<float> smoothed(x, x + k);
   if (smoothing)
@@ -118,7 +168,7 @@ float quantize_row(const float* x, const float* smoothing, int64_t k, int64_t k_
 // acc[r][c] = sum over k of x[r][k] * w[c][k] for R rows and the 16 channels of a block.
 // Integer sums are exact, so how they are split and ordered never changes a result.
 template <int R>
-void block_dot(const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t k_steps, int32_t* acc) {
+void block_dot(const uint8_t* x, int64_t x_stride, int64_t plane, const int8_t* block, int64_t k_steps, int32_t* acc) {
 #if defined(__AVX512VNNI__)
   constexpr int kChains = R == 1 ? 2 : 1;  // one row: two chains, odd and even steps, hide the latency
   __m512i sums[R][kChains];
@@ -159,9 +209,10 @@ void block_dot(const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t 
   }
 #elif defined(__AVX2__)
   // No 4-way byte dot product: q * w pairs through vpmaddubsw (unsigned x signed, summed to
-  // int16), then to int32. vpmaddubsw saturates, so it multiplies |q| by w carrying q's sign:
-  // each pair is then at most 2 * 127 * 127, below the int16 limit, and the sums are exact.
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  // int16), then to int32. vpmaddubsw saturates, so it multiplies |q| (plane 0) by w carrying
+  // q's sign (plane 1): each pair is then at most 2 * 127 * 127, below the int16 limit, and
+  // the sums are exact.
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256i low[R], high[R];  // channels 0-7 and 8-15
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_si256();
@@ -172,10 +223,10 @@ void block_dot(const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t 
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + s * 64 + 32));
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, x + r * x_stride + s * 4, 4);
-      const __m256i q = _mm256_xor_si256(_mm256_set1_epi32(four), flip);  // q + 128 -> q
-      const __m256i magnitude = _mm256_abs_epi8(q);
+      int32_t four_magnitudes, four;
+      std::memcpy(&four_magnitudes, x + r * x_stride + s * 4, 4);
+      std::memcpy(&four, x + plane + r * x_stride + s * 4, 4);
+      const __m256i magnitude = _mm256_set1_epi32(four_magnitudes), q = _mm256_set1_epi32(four);
       low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w0, q)), ones));
       high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w1, q)), ones));
     }
@@ -198,11 +249,11 @@ void block_dot(const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t 
 }
 
 template <int R>
-void rows_dot(int rows, const uint8_t* x, int64_t x_stride, const int8_t* block, int64_t k_steps, int32_t* acc) {
+void rows_dot(int rows, const uint8_t* x, int64_t x_stride, int64_t plane, const int8_t* block, int64_t k_steps, int32_t* acc) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_dot<R - 1>(rows, x, x_stride, block, k_steps, acc);
+    if (rows < R) return rows_dot<R - 1>(rows, x, x_stride, plane, block, k_steps, acc);
   }
-  block_dot<R>(x, x_stride, block, k_steps, acc);
+  block_dot<R>(x, x_stride, plane, block, k_steps, acc);
 }
 
 // One row of one block: out[c] = float(acc[c] - kZeroPoint sum(w[c])) * (row_scale * w_scale[c]) (+ bias[c]).
@@ -245,18 +296,39 @@ struct Int8Layer {
 
   int64_t k_pad() const { return k_steps * 4; }
 
-  // Each row of the input, made by make_row(r, buffer) as k floats, quantized for this layer.
-  // On one thread: a parallel region costs more here than these few microseconds of work.
+  // Each row of the input, made by make_row(r, buffer) as k floats (each row on its own, in
+  // any order), quantized for this layer: kPlanes planes of [m][k_pad]. Rows are split over
+  // threads only when there are many: a parallel region costs more than a few rows' work.
   template <typename MakeRow>
   void quantize(int64_t m, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& row_scale) const {
     TORCH_CHECK(k_pad() == round_up(k, 4), "packed weights do not match the input");
-    xq.resize(m * k_pad());
+    xq.resize(kPlanes * m * k_pad());
     row_scale.resize(m);
-    std::vector<float> row(k);
-    for (int64_t r = 0; r < m; ++r) {
-      make_row(r, row.data());
-      row_scale[r] = quantize_row(row.data(), smoothing, k, k_pad(), xq.data() + r * k_pad());
-    }
+    at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
+      std::vector<float> row(k);
+      for (int64_t r = first; r < last; ++r) {
+        make_row(r, row.data());
+        uint8_t* shifted = xq.data() + r * k_pad();
+        row_scale[r] = quantize_row(row.data(), smoothing, k, k_pad(), shifted);
+#if defined(SPECDEC_MADDUBS)
+        uint8_t* signed_q = shifted + m * k_pad();
+        for (int64_t i = 0; i < k_pad(); i += 32) {  // k_pad is a multiple of 4; rows are contiguous, planes long
+          const int64_t take = std::min<int64_t>(32, k_pad() - i);
+          if (take == 32) {
+            const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(shifted + i)), _mm256_set1_epi8(static_cast<char>(0x80)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(signed_q + i), q);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(shifted + i), _mm256_abs_epi8(q));
+          } else {
+            for (int64_t j = i; j < k_pad(); ++j) {
+              const int8_t q = static_cast<int8_t>(shifted[j] ^ 0x80);
+              signed_q[j] = static_cast<uint8_t>(q);
+              shifted[j] = static_cast<uint8_t>(q < 0 ? -q : q);
+            }
+          }
+        }
+#endif
+      }
+    });
   }
 
   // out[m][n] = float(sum_k q[m][k] w[n][k]) * (row_scale[m] * w_scale[n]) (+ bias[n]): Int8Linear's
@@ -270,7 +342,7 @@ struct Int8Layer {
         const int8_t* block = packed + blk * k_steps * kBlock * 4;
         for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly: 17 -> 9 + 8, not 16 + 1
           const int rows = static_cast<int>((m - r0) / (groups - g));
-          rows_dot<kRows>(rows, xq.data() + r0 * k_pad(), k_pad(), block, k_steps, acc);
+          rows_dot<kRows>(rows, xq.data() + r0 * k_pad(), k_pad(), m * k_pad(), block, k_steps, acc);
           for (int r = 0; r < rows; ++r)
             epilogue(acc + r * kBlock, sums, scale, bias, row_scale[r0 + r], blk * kBlock, n, out + (r0 + r) * n);
           r0 += rows;
@@ -338,8 +410,8 @@ __m256 exp8(__m256 x) {
 // dot product with one head, summed over d in order, so a score never depends on its
 // neighbours; G heads times four blocks of keys keep up to sixteen chains in flight. A lane's
 // result is the same whichever of the two loops computes it.
-template <int G>
-void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim, int64_t needed, float scale, float* scores,
+template <int G, typename T>
+void scores_of(const float* q, const T* keys_t, int64_t stride, int64_t dim, int64_t needed, float scale, float* scores,
                int64_t score_stride) {
 #if defined(__AVX512F__)
   const __m512 scaling = _mm512_set1_ps(scale);
@@ -351,8 +423,8 @@ void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim,
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) acc[g][b] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
-      const float* row = keys_t + d * stride + j;
-      const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16), k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+      const T* row = keys_t + d * stride + j;
+      const __m512 k0 = load16(row), k1 = load16(row + 16), k2 = load16(row + 32), k3 = load16(row + 48);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
         const __m512 qd = _mm512_set1_ps(q[g * dim + d]);
@@ -373,7 +445,7 @@ void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim,
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
-      const __m512 k = _mm512_maskz_loadu_ps(inside, keys_t + d * stride + j);
+      const __m512 k = load16(inside, keys_t + d * stride + j);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dim + d]), k, acc[g]);
     }
@@ -388,8 +460,8 @@ void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim,
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
-      const float* row = keys_t + d * stride + j;
-      const __m256 k0 = _mm256_loadu_ps(row), k1 = _mm256_loadu_ps(row + 8);
+      const T* row = keys_t + d * stride + j;
+      const __m256 k0 = load8(row), k1 = load8(row + 8);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
         const __m256 qd = _mm256_set1_ps(q[g * dim + d]);
@@ -409,7 +481,7 @@ void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim,
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
-      const __m256 k = _mm256_maskload_ps(keys_t + d * stride + j, inside);
+      const __m256 k = load8(inside, keys_t + d * stride + j);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(q[g * dim + d]), k, acc[g]);
     }
@@ -420,7 +492,7 @@ void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t dim,
   for (int g = 0; g < G; ++g)
     for (int64_t j = 0; j < needed; ++j) {
       float dot = 0.f;
-      for (int64_t d = 0; d < dim; ++d) dot = dot + q[g * dim + d] * keys_t[d * stride + j];
+      for (int64_t d = 0; d < dim; ++d) dot = dot + q[g * dim + d] * static_cast<float>(keys_t[d * stride + j]);
       scores[g * score_stride + j] = dot * scale;
     }
 #endif
@@ -475,8 +547,8 @@ float softmax_numerators(float* scores, int64_t count) {
 // out[g] = sum_j weights[g][j] v_seen[j] / totals[g] for G query heads sharing the keys; each
 // head's sum runs over j in order. With AVX-512 each value row is loaded once for all heads;
 // AVX2's 16 registers hold one head's 32 channels at a time.
-template <int G>
-void weighted_values(const float* values, int64_t dim, const int64_t* seen, int64_t count, const float* weights, int64_t weight_stride,
+template <int G, typename T>
+void weighted_values(const T* values, int64_t dim, const int64_t* seen, int64_t count, const float* weights, int64_t weight_stride,
                      const float* totals, float* out, int64_t out_stride) {
 #if defined(__AVX512F__)
   if (dim == 64) {
@@ -484,10 +556,10 @@ void weighted_values(const float* values, int64_t dim, const int64_t* seen, int6
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < count; ++j) {
-      const float* value = values + seen[j] * dim;
+      const T* value = values + seen[j] * dim;
       __m512 v[4];
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+      for (int c = 0; c < 4; ++c) v[c] = load16(value + 16 * c);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(weights[g * weight_stride + j]);
@@ -507,10 +579,10 @@ void weighted_values(const float* values, int64_t dim, const int64_t* seen, int6
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) acc[c] = _mm256_setzero_ps();
         for (int64_t j = 0; j < count; ++j) {
-          const float* value = values + seen[j] * dim + d0;
+          const T* value = values + seen[j] * dim + d0;
           const __m256 p = _mm256_set1_ps(weights[g * weight_stride + j]);
 #pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * c), acc[c]);
+          for (int c = 0; c < 4; ++c) acc[c] = _mm256_fmadd_ps(p, load8(value + 8 * c), acc[c]);
         }
         const __m256 total = _mm256_set1_ps(totals[g]);
 #pragma GCC unroll 4
@@ -523,9 +595,9 @@ void weighted_values(const float* values, int64_t dim, const int64_t* seen, int6
     float* o = out + g * out_stride;
     for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
     for (int64_t j = 0; j < count; ++j) {
-      const float* value = values + seen[j] * dim;
+      const T* value = values + seen[j] * dim;
       const float p = weights[g * weight_stride + j];
-      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p * value[d];
+      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p * static_cast<float>(value[d]);
     }
     for (int64_t d = 0; d < dim; ++d) o[d] = o[d] / totals[g];
   }
@@ -535,11 +607,12 @@ void weighted_values(const float* values, int64_t dim, const int64_t* seen, int6
 // of its cache, keys [kv_heads][d][capacity] (transposed) and values [kv_heads][capacity][d];
 // `allowed` [t, length] or null (causal: query r sees positions up to start + r). Writes
 // out [t, heads * d].
+template <typename T>
 struct AttentionSegment {
   const float* q;
   int64_t t;
-  const float* keys_t;
-  const float* values;
+  const T* keys_t;
+  const T* values;
   int64_t capacity, length, start;
   const bool* allowed;
   float* out;
@@ -547,7 +620,8 @@ struct AttentionSegment {
 
 // The attention of every segment in one parallel region (a region costs more than one
 // one-token segment's work). One work item is one row's query heads of one key/value head.
-void attend(const std::vector<AttentionSegment>& segments, int64_t heads, int64_t dim, int64_t kv_heads) {
+template <typename T>
+void attend(const std::vector<AttentionSegment<T>>& segments, int64_t heads, int64_t dim, int64_t kv_heads) {
   const int64_t groups = heads / kv_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(dim));
   std::vector<int64_t> ends;  // items of segments 0..i
@@ -563,7 +637,7 @@ void attend(const std::vector<AttentionSegment>& segments, int64_t heads, int64_
     std::vector<float> all_scores(4 * padded), weights(4 * padded), totals(4);
     for (int64_t item = first; item < last; ++item) {
       const size_t index = std::upper_bound(ends.begin(), ends.end(), item) - ends.begin();
-      const AttentionSegment& sg = segments[index];
+      const AttentionSegment<T>& sg = segments[index];
       const int64_t local = item - (index ? ends[index - 1] : 0);
       const int64_t kv = local / sg.t, row = local % sg.t;  // one key/value head's rows in turn: its keys stay in cache
       int64_t count = 0;
@@ -577,8 +651,8 @@ void attend(const std::vector<AttentionSegment>& segments, int64_t heads, int64_
       int64_t prefix = 0;  // seen[j] == j up to here (the committed context): copied, not gathered
       while (prefix < count && seen[prefix] == prefix) ++prefix;
       const float* qs = sg.q + (row * heads + kv * groups) * dim;
-      const float* k = sg.keys_t + kv * sg.capacity * dim;
-      const float* v = sg.values + kv * sg.capacity * dim;
+      const T* k = sg.keys_t + kv * sg.capacity * dim;
+      const T* v = sg.values + kv * sg.capacity * dim;
       float* o = sg.out + row * heads * dim + kv * groups * dim;
       for (int64_t g = 0; g < groups;) {  // up to four query heads share each pass over keys and values
         const int64_t take = std::min<int64_t>(4, groups - g);
@@ -613,9 +687,11 @@ const bool* mask_rows(const c10::optional<torch::Tensor>& mask, int64_t t, int64
   return holder.data_ptr<bool>();
 }
 
-// One layer's cache: keys [KV, d, capacity] (transposed), values [KV, capacity, d], both dense.
+// One layer's cache: keys [KV, d, capacity] (transposed), values [KV, capacity, d], both dense,
+// float32 or (capacity a multiple of 16) float16.
 void check_cache(const torch::Tensor& keys, const torch::Tensor& values) {
-  TORCH_CHECK(keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32, "the cache must be float32");
+  TORCH_CHECK(keys.dtype() == values.dtype() && (keys.dtype() == torch::kFloat32 || (keys.dtype() == torch::kHalf && keys.size(2) % 16 == 0)),
+              "the cache must be float32, or float16 with a capacity that is a multiple of 16");
   TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.size(0) == values.size(0) && keys.size(1) == values.size(2) &&
                   keys.size(2) == values.size(1) && keys.is_contiguous() && values.is_contiguous(),
               "keys must be [KV, d, capacity] and values [KV, capacity, d], dense");
@@ -627,11 +703,12 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
                         c10::optional<torch::Tensor> mask) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "attention takes float32 q [T, H, d]");
   check_cache(keys, values);
+  TORCH_CHECK(keys.dtype() == torch::kFloat32, "attention reads a float32 cache");
   q = q.contiguous();
   const int64_t t = q.size(0), heads = q.size(1), dim = q.size(2);
   auto out = torch::empty({t, heads * dim}, torch::kFloat32);
   torch::Tensor holder;
-  attend({{q.data_ptr<float>(), t, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), length, start,
+  attend<float>({{q.data_ptr<float>(), t, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), length, start,
            mask_rows(mask, t, length, holder), out.data_ptr<float>()}},
          heads, dim, keys.size(0));
   return out;
@@ -694,6 +771,45 @@ void swiglu(const float* gate, const float* up, const float* delta, int64_t n, f
 #endif
 }
 
+// The attention block of int8_decoder_layer after q|k|v (`projected`, rows `width` wide): rotary on
+// q and k, k and v written to each segment's cache, then every segment's attention into `attended`.
+template <typename T>
+void rotate_store_attend(float* projected, int64_t width, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                         const std::vector<int64_t>& counts, const std::vector<torch::Tensor>& masks, int64_t heads, float* q, float* attended) {
+  const int64_t kv_heads = keys[0].size(0), dim = keys[0].size(1), segments = keys.size();
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+  std::vector<AttentionSegment<T>> attention;
+  std::vector<torch::Tensor> mask_holders(segments);
+  int64_t first = 0;  // the segment's first row
+  for (int64_t i = 0; i < segments; first += counts[i], ++i) {
+    T* kp = keys[i].data_ptr<T>();
+    T* vp = values[i].data_ptr<T>();
+    const int64_t capacity = keys[i].size(2), start = starts[i], length = start + counts[i];
+    for (int64_t r = first; r < first + counts[i]; ++r) {
+      float* row = projected + r * width;
+      const float* c = cos.data_ptr<float>() + r * dim;
+      const float* sn = sin.data_ptr<float>() + r * dim;
+      for (int64_t head = 0; head < heads; ++head) {
+        rotate(row + head * dim, c, sn, dim);
+        std::memcpy(q + (r * heads + head) * dim, row + head * dim, dim * sizeof(float));
+      }
+      const int64_t position = start + r - first;
+      for (int64_t head = 0; head < kv_heads; ++head) {
+        float* key = row + q_size + head * dim;
+        const float* value = row + q_size + kv_size + head * dim;
+        rotate(key, c, sn, dim);
+        for (int64_t d = 0; d < dim; ++d) kp[(head * dim + d) * capacity + position] = to_cache<T>(key[d]);
+        for (int64_t d = 0; d < dim; ++d) vp[(head * capacity + position) * dim + d] = to_cache<T>(value[d]);
+      }
+    }
+    const c10::optional<torch::Tensor> mask = masks[i].numel() ? c10::optional<torch::Tensor>(masks[i]) : c10::nullopt;
+    attention.push_back({q + first * q_size, counts[i], kp, vp, capacity, length, start,
+                         mask_rows(mask, counts[i], length, mask_holders[i]), attended + first * q_size});
+  }
+  attend(attention, heads, dim, kv_heads);
+}
+
 // One Llama-family decoder layer with int8 linears over T new tokens x [T, hidden]:
 //   x += o(attention(rotary(q, k), v)) with q|k|v = qkv(norm_in(x)), k and v written to the cache;
 //   x += down(silu(gate) * (up + delta)) with gate|up = gate_up(norm_post(x)).
@@ -720,6 +836,7 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> wei
   int64_t rows_total = 0;
   for (size_t i = 0; i < segments; ++i) {
     check_cache(keys[i], values[i]);
+    TORCH_CHECK(keys[i].dtype() == keys[0].dtype(), "the segments' caches must share one dtype");
     TORCH_CHECK(keys[i].size(0) == kv_heads && keys[i].size(1) == dim && starts[i] + counts[i] <= keys[i].size(2),
                 "a segment's cache does not fit the layer or its tokens");
     rows_total += counts[i];
@@ -746,34 +863,11 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, std::vector<torch::Tensor> wei
 
   qkv.quantize(t, hidden, [&](int64_t r, float* row) { rms_norm(h + r * hidden, norm_in, epsilon, hidden, row); }, xq, row_scale);
   qkv.multiply(xq, row_scale, t, projected.data());
-  std::vector<AttentionSegment> attention;
-  std::vector<torch::Tensor> mask_holders(segments);
-  int64_t first = 0;  // the segment's first row
-  for (size_t i = 0; i < segments; first += counts[i], ++i) {
-    float* kp = keys[i].data_ptr<float>();
-    float* vp = values[i].data_ptr<float>();
-    const int64_t capacity = keys[i].size(2), start = starts[i], length = start + counts[i];
-    for (int64_t r = first; r < first + counts[i]; ++r) {
-      float* row = projected.data() + r * widths[0];
-      const float* c = cos.data_ptr<float>() + r * dim;
-      const float* sn = sin.data_ptr<float>() + r * dim;
-      for (int64_t head = 0; head < heads; ++head) {
-        rotate(row + head * dim, c, sn, dim);
-        std::memcpy(q.data() + (r * heads + head) * dim, row + head * dim, dim * sizeof(float));
-      }
-      const int64_t position = start + r - first;
-      for (int64_t head = 0; head < kv_heads; ++head) {
-        float* key = row + q_size + head * dim;
-        rotate(key, c, sn, dim);
-        for (int64_t d = 0; d < dim; ++d) kp[(head * dim + d) * capacity + position] = key[d];
-        std::memcpy(vp + (head * capacity + position) * dim, row + q_size + kv_size + head * dim, dim * sizeof(float));
-      }
-    }
-    const c10::optional<torch::Tensor> mask = masks[i].numel() ? c10::optional<torch::Tensor>(masks[i]) : c10::nullopt;
-    attention.push_back({q.data() + first * q_size, counts[i], kp, vp, capacity, length, start,
-                         mask_rows(mask, counts[i], length, mask_holders[i]), attended.data() + first * q_size});
+  if (keys[0].dtype() == torch::kHalf) {
+    rotate_store_attend<c10::Half>(projected.data(), widths[0], cos, sin, keys, values, starts, counts, masks, heads, q.data(), attended.data());
+  } else {
+    rotate_store_attend<float>(projected.data(), widths[0], cos, sin, keys, values, starts, counts, masks, heads, q.data(), attended.data());
   }
-  attend(attention, heads, dim, kv_heads);
   o.quantize(t, q_size, [&](int64_t r, float* row) { std::memcpy(row, attended.data() + r * q_size, q_size * sizeof(float)); }, xq, row_scale);
   o.multiply(xq, row_scale, t, projected.data());
 
