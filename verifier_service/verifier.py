@@ -75,7 +75,7 @@ class VerifierSession:
     keep_features: bool = False
     feature_rows: list[torch.Tensor] = field(default_factory=list)
     features_sent: int = 0
-    unfused: torch.Tensor | None = None  # [rows, 3, hidden]: the depths of the positions after feature_rows, not fused yet
+    unfused: list[torch.Tensor] = field(default_factory=list)  # [rows, 3, hidden] each: the depths of the positions after feature_rows, not fused yet
 
     @property
     def num_cached(self) -> int:
@@ -217,26 +217,30 @@ class VerifierEngine:
             session.last_round, session.last_result = round_number, result
             return result
 
-    FUSE_EVERY = 64  # kept features are fused in batches of this many rows, or when asked for
+    FUSE_EVERY = 256  # kept features are fused in batches of this many rows, or when asked for
 
     def _keep_features(self, session: VerifierSession, start: int, depth_rows: torch.Tensor, fuse_now: bool) -> None:
         """Keeps the features of positions [start, start + len(depth_rows)): a re-fed position's
-        replaces its old one. The fusing waits until the features are asked for (a drafting round
-        is next) or FUSE_EVERY rows have gathered: one matrix product per call cost ~1 ms, paid on
-        the compute thread every round of every session that might draft."""
+        replaces its old one. The fusing (a matrix product on the compute thread, which every
+        session in the pass waits for) waits until the features are asked for (a drafting round
+        is next) or FUSE_EVERY rows have gathered: a session the verifier alone decodes to its
+        end, as under load, never pays it; the depths wait as they are, 3x a fused row's bytes."""
         done = len(session.feature_rows)
         if start < done:
             del session.feature_rows[start:]
-            pending = depth_rows
-        elif session.unfused is not None:
-            pending = torch.cat([session.unfused[: start - done], depth_rows])
-        else:
-            pending = depth_rows
-        if fuse_now or len(pending) >= self.FUSE_EVERY:
+            session.unfused = []
+        elif session.unfused:
+            keep = start - done  # rows of positions before `start`
+            chunks, session.unfused = session.unfused, []
+            for chunk in chunks:
+                if keep > 0:
+                    session.unfused.append(chunk[:keep])
+                    keep -= len(chunk)
+        session.unfused.append(depth_rows)
+        if fuse_now or sum(len(chunk) for chunk in session.unfused) >= self.FUSE_EVERY:
+            pending = torch.cat(session.unfused) if len(session.unfused) > 1 else session.unfused[0]
             session.feature_rows.extend(self.fuse.fuse_depths(pending).to(torch.float16).unbind(0))
-            session.unfused = None
-        else:
-            session.unfused = pending
+            session.unfused = []
         session.features_sent = min(session.features_sent, start)
 
     def _forward(self, session: VerifierSession, input_ids: list[int], num_logits: int, depths: tuple[int, ...], **masking) -> Job:
