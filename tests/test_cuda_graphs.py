@@ -1,5 +1,6 @@
-"""The engine's CUDA-graph path (specdec/core/cuda_graphs.py): the bucket and capacity choice
-runs anywhere; the exactness tests need a GPU and are skipped without one."""
+"""The engine's CUDA-graph path (specdec/core/cuda_graphs.py). The bucket and capacity choice,
+and the runner itself run uncaptured, are tested on the CPU; the same exactness tests run on a
+GPU when there is one (captured graphs, cuBLAS), and are skipped without one."""
 from __future__ import annotations
 
 import random
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.core.cuda_graphs import ROW_BUCKETS, capacity_for, row_buckets, row_chunks
+from specdec.core.cuda_graphs import ROW_BUCKETS, GraphRunner, capacity_for, cuda_graphs_enabled, row_buckets, row_chunks
 from specdec.core.engine import ForwardCall, LlamaEngine
 from specdec.core.hub import load_model_weights_only
 from specdec.core.tree import DraftTree, verification_inputs
@@ -54,27 +55,62 @@ def test_no_graphs_on_a_cpu(tmp_path):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module")
-def cuda_model():
-    """Two layers of SmolLM2-135M's shape (so cuBLAS picks the kernels it picks for that
-    model), random weights, bf16 on the GPU."""
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=gpu)])
+def shaped_model(request):
+    """Random weights. On the GPU two layers of SmolLM2-135M's shape in bf16 (cuBLAS picks its
+    kernels by shape); on the CPU a narrower float32 model, where the same runner runs each pass
+    uncaptured (the runner's logic checked without a GPU; cuBLAS's sums only with one)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
-                         num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1)
-    return LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    return _model(request.param)
+
+
+def _model(device: str) -> LlamaForCausalLM:
+    width = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, vocab_size=4096)
+    if device == "cpu":
+        width = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    config = LlamaConfig(num_hidden_layers=2, max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1, **width)
+    # float32 on the CPU: its bf16 GEMMs are slow there, and the runner's logic is the same.
+    return LlamaForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+
+
+def _graphed(model) -> LlamaEngine:
+    engine = LlamaEngine(model)
+    if model.device.type == "cuda":
+        assert engine.graphs is not None
+    else:
+        engine.graphs = GraphRunner(engine)
+    return engine
 
 
 def _steps(engine, cache, tokens: list[int]) -> torch.Tensor:
     return torch.cat([engine(cache, [t])[0] for t in tokens])
 
 
-@gpu
+def _tree_steps(engine, cache, tree: DraftTree) -> dict[int, torch.Tensor]:
+    """Each node's logits from one-token steps along its path (depth first: one step a node)."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree.parent):
+        children.setdefault(parent, []).append(node)
+    found, length = {}, cache.length
+
+    def visit(node: int, at: int) -> None:
+        cache.truncate(at)
+        found[node] = engine(cache, [tree.token_ids[node]])[0][-1]
+        for child in children.get(node, []):
+            visit(child, at + 1)
+
+    for root in children.get(-1, []):
+        visit(root, length)
+    assert len(found) == len(tree)
+    return found
+
+
 @pytest.mark.parametrize("start", [40, 250])  # 250: passes cross from the 256-position buffer into the 512 one
-def test_cuda_k_token_passes_equal_one_token_steps(cuda_model, start):
-    engine = LlamaEngine(cuda_model)
-    assert engine.graphs is not None and engine.batch_invariant
+def test_k_token_passes_equal_one_token_steps(shaped_model, start):
+    engine = _graphed(shaped_model)
+    vocab = shaped_model.config.vocab_size
     rng = random.Random(start)
-    tokens = [rng.randrange(4096) for _ in range(start + 33)]
+    tokens = [rng.randrange(vocab) for _ in range(start + 33)]
     with torch.inference_mode():
         cache = engine.new_cache()
         engine(cache, tokens[:start], prefill=True)
@@ -85,33 +121,32 @@ def test_cuda_k_token_passes_equal_one_token_steps(cuda_model, start):
             assert torch.equal(logits, steps[:k]), f"k={k}: max diff {(logits - steps[:k]).abs().max()}"
 
 
-@gpu
-def test_cuda_tree_pass_equals_one_token_steps_along_each_path(cuda_model):
-    engine = LlamaEngine(cuda_model)
+def test_tree_pass_equals_one_token_steps_along_each_path(shaped_model):
+    engine = _graphed(shaped_model)
+    vocab = shaped_model.config.vocab_size
     rng = random.Random(7)
-    context = [rng.randrange(4096) for _ in range(60)]
+    context = [rng.randrange(vocab) for _ in range(60)]
     parents = [-1] + [rng.randrange(-1, n) for n in range(1, 32)]
-    tree = DraftTree([rng.randrange(4096) for _ in parents], parents)
+    tree = DraftTree([rng.randrange(vocab) for _ in parents], parents)
     with torch.inference_mode():
         cache = engine.new_cache()
         engine(cache, context[:-2], prefill=True)
         positions, mask = verification_inputs(tree, len(context) - 2, 2)
         logits, _ = engine(cache, context[-2:] + tree.token_ids, len(tree) + 1, position_ids=positions, attention_mask=mask)
-        for node in range(len(tree)):
-            step_cache = engine.new_cache()
-            engine(step_cache, context[:-2], prefill=True)
-            path = context[-2:] + [tree.token_ids[n] for n in tree.path_to(node)]
-            assert torch.equal(_steps(engine, step_cache, path)[-1], logits[node + 1]), f"node {node}"
+        cache.truncate(len(context) - 2)
+        _steps(engine, cache, context[-2:])
+        for node, step_logits in _tree_steps(engine, cache, tree).items():
+            assert torch.equal(step_logits, logits[node + 1]), f"node {node}"
 
 
-@gpu
-def test_cuda_rows_do_not_depend_on_the_pass_or_other_sessions(cuda_model):
-    """What `batch_invariant` promises (the verifier's prefix cache relies on it): a prompt fed
-    in one call or in parts gives the same keys, values, logits and hidden states, and sessions
-    run in one forward_many get what each gets alone."""
-    engine = LlamaEngine(cuda_model)
+def test_rows_do_not_depend_on_the_pass_or_other_sessions(shaped_model):
+    """What `batch_invariant` would promise (the verifier's prefix cache relies on it): a
+    prompt fed in one call or in parts gives the same keys, values, logits and hidden states,
+    and sessions run in one forward_many get what each gets alone."""
+    engine = _graphed(shaped_model)
+    vocab = shaped_model.config.vocab_size
     rng = random.Random(3)
-    prompt = [rng.randrange(4096) for _ in range(90)]
+    prompt = [rng.randrange(vocab) for _ in range(90)]
     with torch.inference_mode():
         whole = engine.new_cache()
         logits, states = engine(whole, prompt, num_logits=5, hidden_states=(0, 1, 2))
@@ -133,10 +168,12 @@ def test_cuda_rows_do_not_depend_on_the_pass_or_other_sessions(cuda_model):
 
 
 @gpu
-def test_cuda_graphs_compute_what_the_eager_engine_computes(cuda_model):
-    """The same model either way, up to bf16 rounding: logits close, the same greedy tokens."""
-    graphed, eager = LlamaEngine(cuda_model), LlamaEngine(cuda_model, cuda_graphs=False)
-    assert eager.graphs is None
+def test_cuda_graphs_compute_what_the_eager_engine_computes():
+    """The same model either way, up to bf16 rounding: logits and hidden states close."""
+    torch.manual_seed(0)
+    model = _model("cuda")
+    graphed, eager = LlamaEngine(model), LlamaEngine(model, cuda_graphs=False)
+    assert graphed.graphs is not None and eager.graphs is None
     prompt = [random.Random(1).randrange(4096) for _ in range(50)]
     with torch.inference_mode():
         a, b = graphed.new_cache(), eager.new_cache()
@@ -149,12 +186,17 @@ def test_cuda_graphs_compute_what_the_eager_engine_computes(cuda_model):
     assert all(torch.allclose(g.float(), e.float(), atol=0.1, rtol=0.05) for g, e in zip(got_states, expected_states))
 
 
+def test_graphs_switch_off_with_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CUDA_GRAPHS", "0")
+    assert not cuda_graphs_enabled()
+    monkeypatch.setenv("SPECDEC_CUDA_GRAPHS", "1")
+    assert cuda_graphs_enabled()
+
+
 def test_the_runner_without_capture_on_a_cpu(tmp_path):
     """The runner's padding, chunking, masks and cache copies, run eagerly on a CPU (a replay
     there is the captured pass run again): a tree pass over two buffers in two chunks equals
     one-token steps bit for bit, and it matches the eager torch path up to bf16 rounding."""
-    from specdec.core.cuda_graphs import GraphRunner
-
     model = load_model_weights_only(str(build_model_dir(tmp_path, seed=3)), torch.bfloat16).eval()
     engine, eager = LlamaEngine(model), LlamaEngine(model)
     engine.graphs = GraphRunner(engine, (4, 8))
@@ -172,11 +214,10 @@ def test_the_runner_without_capture_on_a_cpu(tmp_path):
                                 hidden_states=True)
         assert sorted(engine.graphs.graphs) == [(4, 512), (8, 256)]  # 12 rows: 8 in the 256 buffer, 4 in the 512 one
         assert len(states) == 3 and states[0].shape == (1, 12, model.config.hidden_size)
-        for node in range(len(tree)):
-            step = engine.new_cache()
-            engine(step, context[:246], prefill=True)
-            path = context[246:] + [tree.token_ids[n] for n in tree.path_to(node)]
-            assert torch.equal(_steps(engine, step, path)[-1], logits[node + 1]), f"node {node}"
+        cache.truncate(246)
+        _steps(engine, cache, context[246:])
+        for node, step_logits in _tree_steps(engine, cache, tree).items():
+            assert torch.equal(step_logits, logits[node + 1]), f"node {node}"
         reference = eager.new_cache()
         eager(reference, context[:246], prefill=True)
         expected, _ = eager(reference, context[246:] + tree.token_ids, len(tree) + 1, position_ids=positions, attention_mask=mask)

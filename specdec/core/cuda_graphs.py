@@ -11,8 +11,10 @@ positions, the unused tail masked). Each row of a linear then comes from the sam
 the other rows hold, so a row's result depends on its own token, position and mask alone.
 Attention runs in float64 over those buffers: bf16 products are exact there and what rounding
 is left (~1e-16) sits far below the bf16 the result is rounded to, so a row's attention does
-not depend on the capacity either. Measured, not proven: docs/engine.md and
-tests/test_cuda_graphs.py (GPU only) compare tree passes with one-token steps bit for bit.
+not depend on the capacity either. That is the design; on a GPU it is still to be measured:
+tests/test_cuda_graphs.py compares tree passes with one-token steps bit for bit (its CUDA cases
+skip without a GPU; the same runner, uncaptured, passes them on a CPU), and scripts/gpu_engine.py
+measures exactness and the cost curve (docs/engine.md).
 """
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ import os
 
 import torch
 
-ROW_BUCKETS = (16,)  # rows of every pass; measured on an H100 (docs/engine.md)
+# Rows of every pass. One bucket: every pass runs the same GEMM shapes, exact by construction
+# (a one-token step costs a 16-row pass, nothing to a GPU). Several buckets are faster for long
+# feeds but exact only if cuBLAS sums their rows alike: scripts/gpu_engine.py checks a set.
+ROW_BUCKETS = (16,)
 MIN_CAPACITY = 256  # key/value positions of the smallest buffer; each next one doubles
 
 
