@@ -29,17 +29,17 @@ from specdec.core.tree import DraftTree, verification_inputs
 TOKENS = [1, 2, 3, 5, 9, 17, 33]
 
 
-def load(random_config: str | None, dtype: torch.dtype):
+def load(random_config: str | None, dtype: torch.dtype, device: str = "cuda"):
     if random_config:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.manual_seed(0)
         config = AutoConfig.from_pretrained(random_config)
-        return AutoModelForCausalLM.from_config(config).to(dtype).cuda().eval(), None
+        return AutoModelForCausalLM.from_config(config).to(dtype).to(device).eval(), None
     from specdec.core.models import ModelSpec, load_model, load_tokenizer
 
     name = "smollm2-135m-instruct"
-    spec = ModelSpec(name, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", device="cuda")
+    spec = ModelSpec(name, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", device=device)
     return load_model(spec), load_tokenizer(name)
 
 
@@ -169,14 +169,15 @@ def main() -> None:
     parser.add_argument("--buckets", default="16;1,16,64;16,64", help="row-bucket sets to check, ';'-separated")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (the runner uncaptured)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(args.skip.split(","))
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "default_buckets": list(ROW_BUCKETS),
+    report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__, "default_buckets": list(ROW_BUCKETS),
                     "weights": "random" if args.random else "smollm2-135m-instruct"}
     begin = time.perf_counter()
-    model, tokenizer = load(args.random, torch.bfloat16)
+    model, tokenizer = load(args.random, torch.bfloat16, args.device)
     vocab = model.config.vocab_size
     context = context_ids(tokenizer, vocab, 300)
     report["load_s"] = time.perf_counter() - begin
@@ -205,10 +206,10 @@ def main() -> None:
     if "cost" not in skip:
         def curve():
             engines = {
-                "bf16 engine, CUDA graphs": ("verifier", LlamaEngine(model)),
+                "bf16 engine, CUDA graphs": ("verifier", graphed(model, ROW_BUCKETS)),
                 "bf16 engine, eager": ("verifier", LlamaEngine(model, cuda_graphs=False)),
             }
-            fp32 = copy.deepcopy(model).float() if args.random else load(None, torch.float32)[0]
+            fp32 = copy.deepcopy(model).float() if args.random else load(None, torch.float32, args.device)[0]
             engines["float32 transformers verifier"] = ("verifier", TransformersEngine(fp32))
             cost._engines = lambda config: engines
             rows = cost.run_cost_curve(None, context[:200], TOKENS, repeats=args.repeats)

@@ -9,13 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-PORTS = {"drafter": 50061, "verifier": 50062, "coordinator": 50063}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+PORTS = {name: free_port() for name in ("drafter", "verifier", "coordinator")}
 
 
 def start(name: str, args: list[str], log: Path) -> subprocess.Popen:
@@ -34,17 +43,19 @@ def start(name: str, args: list[str], log: Path) -> subprocess.Popen:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="where served_bench.json, the config and the servers' logs go")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--drafter-dtype", default="float32")
+    parser.add_argument("--verifier-device", default="cuda", help="cpu: a smoke test of this script")
     args = parser.parse_args()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     config = out / "served.yaml"
     config.write_text(f"""
 verifier:
-  model: {{source: smollm2-135m-instruct, dtype: bfloat16, device: cuda}}
+  model: {{source: smollm2-135m-instruct, dtype: bfloat16, device: {args.verifier_device}}}
 drafter:
   model: {{source: smollm2-135m-feature-head, dtype: {args.drafter_dtype}, device: cpu}}
   torch_threads: 4
