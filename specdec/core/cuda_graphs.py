@@ -175,7 +175,8 @@ class GraphRunner:
                 graph = self._graph(bucket, capacity_for(at + bucket))
                 padding = bucket - rows  # padded rows: token 0, causal, at the positions after the real ones
                 graph.ids.copy_(torch.tensor(call.input_ids[done : done + rows] + [0] * padding), non_blocking=True)
-                cos, sin = engine.rotary_rows(torch.cat([positions[done : done + rows], torch.zeros(padding, dtype=torch.long)]).to(device))
+                # Positions stay on the CPU: the table reads their maximum, which on the GPU would wait for it.
+                cos, sin = engine.rotary_rows(torch.cat([positions[done : done + rows], torch.zeros(padding, dtype=torch.long)]))
                 graph.cos.copy_(cos[:, None])
                 graph.sin.copy_(sin[:, None])
                 graph.write.copy_(torch.arange(at, at + bucket), non_blocking=True)

@@ -198,7 +198,7 @@ class RotaryTable:
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(len(positions), head_dim) cos and sin."""
         if getattr(self.rotary, "rope_type", "default") not in ("default", "linear", "llama3"):
-            cos, sin = self.rotary(self.like, positions[None])  # frequencies that move with length
+            cos, sin = self.rotary(self.like, positions.to(self.like.device)[None])  # frequencies that move with length
             return cos[0], sin[0]
         needed = int(positions.max()) + 1
         if self.table is None or needed > self.table[0].shape[0]:
