@@ -173,7 +173,7 @@ class GraphRunner:
             for rows, bucket in row_chunks(count, self.buckets):
                 at = start + done  # the cache's length before this pass
                 graph = self._graph(bucket, capacity_for(at + bucket))
-                padding = bucket - rows  # padded rows: token 0, causal, at the positions after the real ones
+                padding = bucket - rows  # padded rows: token 0 at rotary position 0, written after the real rows, causal
                 graph.ids.copy_(torch.tensor(call.input_ids[done : done + rows] + [0] * padding), non_blocking=True)
                 # Positions stay on the CPU: the table reads their maximum, which on the GPU would wait for it.
                 cos, sin = engine.rotary_rows(torch.cat([positions[done : done + rows], torch.zeros(padding, dtype=torch.long)]))
