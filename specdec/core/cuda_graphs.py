@@ -158,16 +158,15 @@ class GraphRunner:
             self.graphs[rows, capacity] = _Graph(self.engine, rows, *self.buffers[capacity], capture=self.engine.device.type == "cuda")
         return self.graphs[rows, capacity]
 
-    def forward(self, call) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """What LlamaEngine.forward returns for `call` (its cache reserved)."""
-        from specdec.core.engine import depths_of
-
+    def forward(self, call, depths: tuple[int, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """What LlamaEngine.forward returns for `call` (its cache reserved), the residual stream
+        read at `depths` (depths_of its hidden_states)."""
         with torch.inference_mode():
             engine, cache, device = self.engine, call.cache, self.engine.device
             count, start = len(call.input_ids), cache.length
             positions = torch.arange(start, start + count) if call.position_ids is None else call.position_ids[0].cpu()
             mask = None if call.attention_mask is None else call.attention_mask[0, 0].to(device)
-            depths = list(depths_of(call.hidden_states, len(engine.layers)))
+            depths = list(depths)
             first_logit = count - call.num_logits
             logits, states, done = [], [], 0
             for rows, bucket in row_chunks(count, self.buckets):

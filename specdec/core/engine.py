@@ -327,7 +327,8 @@ class LlamaEngine(torch.nn.Module):
                 raise ValueError("prefill feeds a prompt into an empty cache, causally")
             call.cache.reserve(start + len(call.input_ids))
         if self.native_layers is None:
-            return [self.graphs.forward(call) if self._graphed(call) else self._torch_forward(call) for call in calls]
+            return [self.graphs.forward(call, depths_of(call.hidden_states, len(self.layers))) if self._graphed(call) else self._torch_forward(call)
+                    for call in calls]
         return self._native_forward(calls)
 
     def _graphed(self, call: ForwardCall) -> bool:
