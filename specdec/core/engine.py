@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.core.cuda_graphs import GraphRunner, cuda_graphs_enabled
 from specdec.core.kernels import native
 from specdec.core.kv_cache import KVCache, TransformersCache
 
@@ -197,7 +198,7 @@ class RotaryTable:
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(len(positions), head_dim) cos and sin."""
         if getattr(self.rotary, "rope_type", "default") not in ("default", "linear", "llama3"):
-            cos, sin = self.rotary(self.like, positions[None])  # frequencies that move with length
+            cos, sin = self.rotary(self.like, positions.to(self.like.device)[None])  # frequencies that move with length
             return cos[0], sin[0]
         needed = int(positions.max()) + 1
         if self.table is None or needed > self.table[0].shape[0]:
@@ -217,7 +218,7 @@ class LlamaEngine(torch.nn.Module):
 
     SUPPORTED = ("llama", "qwen2", "mistral")
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, cuda_graphs: bool = True):
         super().__init__()
         config = model.config
         if not self.supports(model):
@@ -247,6 +248,10 @@ class LlamaEngine(torch.nn.Module):
         self.up_delta: Callable[[int], torch.Tensor | None] | None = None
         self.native_layers = self._native_layers(config)
         self.rotary_rows = RotaryTable(self.rotary, self.embed.weight)
+        # On a GPU with bf16/float16 weights every pass but a prefill replays a CUDA graph at a
+        # fixed shape: fast, and a row's result no longer depends on the pass (cuda_graphs.py).
+        graphed = cuda_graphs and cuda_graphs_enabled() and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        self.graphs = GraphRunner(self) if graphed else None
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -269,10 +274,14 @@ class LlamaEngine(torch.nn.Module):
     @property
     def batch_invariant(self) -> bool:
         """Whether a row's results depend on its own sequence alone, whatever else a pass
-        holds: the native layers. Cached rows of a prompt can then stand for a fresh read."""
+        holds: the native layers. Cached rows of a prompt can then stand for a fresh read. (The
+        CUDA graphs are built to be, every pass the same shape, but no GPU run has checked it
+        yet: until tests/test_cuda_graphs.py passes on one, the prefix cache stays off there.)"""
         return self.native_layers is not None
 
     def new_cache(self) -> KVCache:
+        if self.graphs is not None:  # keys and values of bf16 projections, widened exactly in the graphs' buffers
+            return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device)
         native_attention = self._native_attention() is not None
         # Without the native kernel attention runs in float64 (see _attention); keys and values
         # are kept in it, converted once when written rather than at every step. The native
@@ -318,8 +327,14 @@ class LlamaEngine(torch.nn.Module):
                 raise ValueError("prefill feeds a prompt into an empty cache, causally")
             call.cache.reserve(start + len(call.input_ids))
         if self.native_layers is None:
-            return [self._torch_forward(call) for call in calls]
+            return [self.graphs.forward(call, depths_of(call.hidden_states, len(self.layers))) if self._graphed(call) else self._torch_forward(call)
+                    for call in calls]
         return self._native_forward(calls)
+
+    def _graphed(self, call: ForwardCall) -> bool:
+        """A prompt's prefill (torch's attention kernels, once per session) and a steered pass
+        (SD²'s deltas) run eagerly; every other pass on a GPU replays a graph."""
+        return self.graphs is not None and not call.prefill and self.up_delta is None
 
     def _native_forward(self, calls: list[ForwardCall]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]]:
         starts, counts = [c.cache.length for c in calls], [len(c.input_ids) for c in calls]

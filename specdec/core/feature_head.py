@@ -225,7 +225,7 @@ def load_feature_fuse(source: str, verifier: torch.nn.Module) -> FeatureFuse:
             f"this verifier has width {hidden} and {verifier.config.num_hidden_layers} layers"
         )
     fuse.load_state_dict(weights)
-    return fuse.eval()
+    return fuse.to(verifier.device).eval()  # fuses the verifier's own states where they are (a GPU)
 
 
 def load_feature_head(source: str) -> tuple[FeatureHead, torch.nn.Module]:
