@@ -2,8 +2,9 @@
 
 At each level, N clients send requests at the same moment (held-out prompts in turn; at low
 levels each client sends several in a row, so that every level measures at least
---num-prompts requests): a burst. The policies take turns, --concurrency-repeats bursts each:
-the verifier alone, a fixed speculation plan and the adaptive controller. The services batch
+--num-prompts requests): a burst. The policies take turns, --concurrency-repeats bursts each,
+in an order that rotates every repeat: the verifier alone, a fixed speculation plan and the
+adaptive controller. The services batch
 the rounds of the sessions that arrive together (specdec/core/batching.py). Reports aggregate
 tokens/s, per-stream latency (p50, p99 of the request and of its ms per token) and the plans
 run; checks every greedy output against the same prompt decoded alone. Writes JSON rows, a
@@ -55,8 +56,11 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
         for level in tqdm(levels, desc="concurrency", unit="level"):
             per_client = -(-len(chat_ids) // level)  # requests per client
             measured = {name: ([], 0.0) for name, _ in policies}
-            for _ in range(args.concurrency_repeats):  # the policies take turns, so drift hits all alike
-                for name, fields in policies:
+            for repeat in range(args.concurrency_repeats):
+                # The policies take turns, so drift hits all alike, in an order that rotates each
+                # repeat, so none always follows the same one (a speculative burst leaves the
+                # services busier than the verifier alone does).
+                for name, fields in policies[repeat % len(policies):] + policies[: repeat % len(policies)]:
                     outcomes, wall = _burst(clients[:level], [chat_ids[j % len(chat_ids)] for j in range(level * per_client)],
                                             lambda ids, f=fields: request(ids, f))
                     for j, (tokens, _, _) in enumerate(outcomes):
