@@ -24,7 +24,8 @@ All inputs are exponential moving averages of what the rounds measured:
   verifier's rounds alone, one for speculative rounds (two calls and a tree to handle), so
   that a one-token chain does not look as cheap as its calls alone.
 Every plan is tried once at the start. After that, every `revisit_every` rounds (times the
-sessions per pass) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
+sessions per pass N, and under load times how many times slower than the best plan it looks,
+at most N) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
 estimate already follows the network, and the revisits refresh the rest (the drafter link's
 time while the verifier alone was winning, and slowly drifting acceptance).
 """
@@ -219,8 +220,16 @@ class BudgetController:
             stale = min(self.plans, key=lambda p: self.last_round[p])
             unmeasured = self.last_round[stale] < 0
             # N sessions make rounds N times as often, and a revisit under load slows them all:
-            # revisits come N times fewer rounds apart.
-            if unmeasured or self.round - self.last_revisit >= self.revisit_every * self.sessions():
+            # revisits come N times fewer rounds apart; and, under load, up to N times fewer
+            # again for a plan that looks that many times slower than the best (there drafting
+            # plans only confirm that the verifier alone wins; idle, revisits stay as they were,
+            # so that an unlucky early estimate is corrected soon).
+            sessions = self.sessions()
+            interval = self.revisit_every * sessions
+            if not unmeasured and sessions > 1:
+                rates = {p: self.expected_tokens_per_s(p) for p in self.plans}
+                interval *= min(max(rates.values()) / max(rates[stale], 1e-9), sessions)
+            if unmeasured or self.round - self.last_revisit >= interval:
                 choice, self.last_revisit = stale, self.round
             else:
                 choice = max(self.plans, key=self.expected_tokens_per_s)

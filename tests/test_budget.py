@@ -300,3 +300,21 @@ def test_through_the_injector_the_verifier_alone_when_speculation_cannot_pay(tin
         }
     )
     assert speculative_share(rounds) < 0.5, rounds
+
+
+def test_under_load_revisits_of_losing_plans_come_further_apart():
+    """Under load a revisit slows every session in the pass; plans that look many times slower
+    than the verifier alone are revisited up to N times less often than every revisit_every x N
+    rounds (N sessions per pass), and idle the interval stays revisit_every."""
+    revisits = {}
+    for sessions in (1, 32):
+        world = LoadedWorld(0.5, sessions)
+        controller = BudgetController(PLANS, FUSED_BLOCK, revisit_every=8, in_flight=lambda s=sessions: s)
+        settle(controller, world, rounds=200)  # every plan measured; the verifier alone leads
+        rounds = 8 * 32 * 8
+        chosen = settle(controller, world, rounds=2 * rounds)
+        revisits[sessions] = sum(n for plan, n in chosen.items() if plan.budget)
+        assert preferred(chosen) == Plan(0)
+    assert revisits[1] >= rounds // 8 - 1  # idle: one every revisit_every rounds
+    assert revisits[32] < rounds // (8 * 32)  # loaded: fewer than one every revisit_every x N
+    assert revisits[32] >= 1  # but still some
