@@ -178,7 +178,8 @@ class BudgetController:
         self.draft_wire_ms, self.verify_wire_ms = Ema(self.WIRE_DECAY), Ema(self.WIRE_DECAY)
         self.own_ms = {speculative: Ema(self.COMPUTE_DECAY) for speculative in (False, True)}  # per round
         self.last_round = {p: -1 for p in self.plans}
-        self.round = self.last_revisit = 0
+        self.round = 0
+        self.revisit_due = 0.0  # the share of the way to the next revisit, summed over rounds
         self._lock = threading.Lock()
 
     def expected_accepted(self, plan: Plan) -> float:
@@ -223,16 +224,20 @@ class BudgetController:
             # revisits come N times fewer rounds apart; and, under load, up to N times fewer
             # again for a plan that looks that many times slower than the best (there drafting
             # plans only confirm that the verifier alone wins; idle, revisits stay as they were,
-            # so that an unlucky early estimate is corrected soon).
+            # so that an unlucky early estimate is corrected soon). Each round brings the next
+            # revisit 1/interval nearer at the load of that round: the many rounds of a burst
+            # do not make a revisit overdue the moment the load falls as it drains.
             sessions = self.sessions()
+            rates = {p: self.expected_tokens_per_s(p) for p in self.plans}
+            best = max(self.plans, key=rates.__getitem__)
             interval = self.revisit_every * sessions
             if not unmeasured and sessions > 1:
-                rates = {p: self.expected_tokens_per_s(p) for p in self.plans}
-                interval *= min(max(rates.values()) / max(rates[stale], 1e-9), sessions)
-            if unmeasured or self.round - self.last_revisit >= interval:
-                choice, self.last_revisit = stale, self.round
+                interval *= min(rates[best] / max(rates[stale], 1e-9), sessions)
+            self.revisit_due += 1 / interval
+            if unmeasured or self.revisit_due >= 1 - 1e-9:
+                choice, self.revisit_due = stale, 0.0
             else:
-                choice = max(self.plans, key=self.expected_tokens_per_s)
+                choice = best
             self.last_round[choice] = self.round
             return choice
 

@@ -318,3 +318,22 @@ def test_under_load_revisits_of_losing_plans_come_further_apart():
     assert revisits[1] >= rounds // 8 - 1  # idle: one every revisit_every rounds
     assert revisits[32] < rounds // (8 * 32)  # loaded: fewer than one every revisit_every x N
     assert revisits[32] >= 1  # but still some
+
+
+def test_a_draining_burst_does_not_make_a_revisit_overdue():
+    """Hundreds of rounds at 32 sessions bring a revisit only a little nearer; when the burst
+    drains to two sessions, the straggling requests (which set the burst's end) must not each
+    pay a revisit at once, as they did when the gap was counted in rounds against the load now."""
+    in_flight = [32]
+    controller = BudgetController(PLANS, FUSED_BLOCK, revisit_every=64, in_flight=lambda: in_flight[0])
+    loaded = LoadedWorld(0.3, 32)
+    settle(controller, loaded, rounds=60)  # every plan measured
+    for _ in range(600):  # a burst: fewer rounds than one revisit interval at this load
+        controller.observe(loaded.round(controller.choose()))
+    in_flight[0] = 2
+    drained = LoadedWorld(0.3, 2)
+    chosen = [controller.choose() for _ in range(16)]
+    for plan in chosen:
+        controller.observe(drained.round(plan))
+    assert max(PLANS, key=drained.expected_tokens_per_s) == Plan(0)
+    assert chosen == [Plan(0)] * 16
