@@ -113,7 +113,9 @@ def test_verifier_sends_the_features_of_exactly_the_committed_positions(tiny_dir
     assert verifier.verify(kept, 2, tree, 0).features is None  # the same tokens as `session` so far
     caught_up = verifier.verify(kept, 3, DraftTree([], []), 1, features=True)
     assert caught_up.features_start == 0 and caught_up.features["shape"] == [len(kept.tokens) - 1, 32]
-    torch.testing.assert_close(_rows(caught_up)[: len(rows)], rows)
+    # Fused in one batch here and in two above: a float32 product's last bit may differ with
+    # the rows fused together, and then its float16 rounding by one step (seen once in a suite run).
+    torch.testing.assert_close(_rows(caught_up)[: len(rows)], rows, atol=2e-3, rtol=2e-3)
     assert verifier.verify(kept, 4, DraftTree([], []), 2, features=True).features_start == len(kept.tokens) - 3
 
 
