@@ -25,7 +25,7 @@ All inputs are exponential moving averages of what the rounds measured:
   that a one-token chain does not look as cheap as its calls alone.
 Every plan is tried once at the start. After that, every `revisit_every` rounds (times the
 sessions per pass N, and under load times how many times slower than the best plan it looks,
-at most N) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
+at most N; each round counts at its own load) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
 estimate already follows the network, and the revisits refresh the rest (the drafter link's
 time while the verifier alone was winning, and slowly drifting acceptance).
 """
