@@ -55,7 +55,7 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
         clients[0].generate(request(chat_ids[0], {"adaptive": True}, 4 * args.max_new_tokens))  # the controller measures its plans
         for level in tqdm(levels, desc="concurrency", unit="level"):
             per_client = -(-len(chat_ids) // level)  # requests per client
-            measured = {name: ([], 0.0) for name, _ in policies}
+            measured = {name: ([], 0.0, []) for name, _ in policies}
             for repeat in range(args.concurrency_repeats):
                 # The policies take turns, so drift hits all alike, in an order that rotates each
                 # repeat, so none always follows the same one (a speculative burst leaves the
@@ -66,9 +66,10 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
                     for j, (tokens, _, _) in enumerate(outcomes):
                         if tokens != reference[j % len(chat_ids)]:
                             mismatches.append({"concurrency": level, "policy": name, "prompt": j % len(chat_ids)})
-                    before, seconds = measured[name]
-                    measured[name] = (before + outcomes, seconds + wall)
-            rows += [_row(level, name, seconds, outcomes) for name, (outcomes, seconds) in measured.items()]
+                    before, seconds, bursts = measured[name]
+                    tokens = sum(len(t) for t, _, _ in outcomes)
+                    measured[name] = (before + outcomes, seconds + wall, bursts + [tokens / wall])
+            rows += [_row(level, name, seconds, outcomes, bursts) for name, (outcomes, seconds, bursts) in measured.items()]
     finally:
         for client in clients:
             client.close()
@@ -100,7 +101,9 @@ def _burst(clients: list, prompts: list[list[int]], request) -> tuple[list, floa
     return outcomes, time.perf_counter() - start
 
 
-def _row(level: int, policy: str, wall: float, outcomes: list) -> dict:
+def _row(level: int, policy: str, wall: float, outcomes: list, bursts: list[float]) -> dict:
+    """A policy's results at one level; `bursts`: each burst's tokens/s in the order run, so a
+    reader sees how far the machine's speed drifted between them."""
     tokens = sum(len(t) for t, _, _ in outcomes)
     latencies = sorted(s for _, s, _ in outcomes)
     per_token = sorted(s * 1e3 / max(len(t), 1) for t, s, _ in outcomes)
@@ -109,6 +112,7 @@ def _row(level: int, policy: str, wall: float, outcomes: list) -> dict:
         "concurrency": level,
         "policy": policy,
         "tokens_per_second": tokens / wall,
+        "burst_tokens_per_second": bursts,
         "generated_tokens": tokens,
         "seconds": wall,
         "request_s": {"p50": _quantile(latencies, 0.5), "p99": _quantile(latencies, 0.99)},
@@ -141,11 +145,12 @@ def concurrency_checks(rows: list[dict], mismatches: list[dict]) -> list[dict]:
 
 
 def format_concurrency(report: dict) -> str:
-    lines = [f"{'streams':>7}  {'policy':<16} {'tok/s':>7} {'req p50 s':>9} {'req p99 s':>9} {'ms/tok p50':>10} {'ms/tok p99':>10}  plans"]
+    lines = [f"{'streams':>7}  {'policy':<16} {'tok/s':>7} {'bursts':>13} {'req p50 s':>9} {'req p99 s':>9} {'ms/tok p50':>10} {'ms/tok p99':>10}  plans"]
     for r in report["results"]:
+        bursts = r.get("burst_tokens_per_second") or [r["tokens_per_second"]]
         lines.append(
-            f"{r['concurrency']:>7}  {r['policy']:<16} {r['tokens_per_second']:7.1f} {r['request_s']['p50']:9.2f} {r['request_s']['p99']:9.2f} "
-            f"{r['ms_per_token']['p50']:10.1f} {r['ms_per_token']['p99']:10.1f}  {r['plan_rounds']}"
+            f"{r['concurrency']:>7}  {r['policy']:<16} {r['tokens_per_second']:7.1f} {f'{min(bursts):.0f}-{max(bursts):.0f}':>13} "
+            f"{r['request_s']['p50']:9.2f} {r['request_s']['p99']:9.2f} {r['ms_per_token']['p50']:10.1f} {r['ms_per_token']['p99']:10.1f}  {r['plan_rounds']}"
         )
     lines += [f"{'PASS' if c['passed'] else 'FAIL'}  {c['check']}" + (f" ({c['value']:.2f})" if "value" in c else "") for c in report["checks"]]
     return "\n".join(lines)
