@@ -28,10 +28,9 @@ def main() -> None:
         parser.error("give the drafter and verifier addresses (--drafter/--verifier or coordinator.*_address)")
     if args.port is not None:
         config.coordinator.port = args.port
-    server, port, coordinator = start(config, drafter, verifier)
+    server, port, _ = start(config, drafter, verifier)
     print(f"coordinator serving specdec.v1.Coordinator on {config.coordinator.host}:{port}", flush=True)
     serve_until_terminated(server)
-    coordinator.pair.close()  # stops the health watch: a thread mid-call as the interpreter exits can hang it
 
 
 main()

@@ -6,14 +6,16 @@ import functools
 import hmac
 import inspect
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 import uuid
 import weakref
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -209,8 +211,11 @@ def set_serving(server: grpc.Server, service: str, serving: bool) -> None:
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def serve_until_terminated(server: grpc.Server) -> None:
-    """Blocks until SIGTERM or Ctrl-C, then stops the server gracefully."""
+def serve_until_terminated(server: grpc.Server) -> NoReturn:
+    """A service process's end: blocks until SIGTERM or Ctrl-C, stops the server gracefully,
+    then exits at once. Interpreter shutdown would have nothing left to do but races with the
+    native threads of gRPC and torch, and a thread it stops inside C++ aborts the process
+    ("terminate called without an active exception", seen once in a CI run)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -218,6 +223,10 @@ def serve_until_terminated(server: grpc.Server) -> None:
     except KeyboardInterrupt:
         pass
     stop_gracefully(server).wait()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def open_channel(address: str, root_certificates: bytes | None = None) -> grpc.Channel:
