@@ -127,17 +127,23 @@ def test_concurrency_checks_read_scaling_adaptive_share_and_exactness():
     from specdec.bench.concurrency import concurrency_checks, format_concurrency
 
     rows = [
-        {"concurrency": n, "policy": p, "tokens_per_second": tps, "request_s": {"p50": 1.0, "p99": 2.0},
+        {"concurrency": n, "policy": p, "tokens_per_second": tps, "burst_tokens_per_second": bursts, "request_s": {"p50": 1.0, "p99": 2.0},
          "ms_per_token": {"p50": 10.0, "p99": 20.0}, "plan_rounds": {"fused": 8}}
-        for n, p, tps in [(1, "verifier-alone", 100.0), (1, "adaptive", 96.0), (32, "verifier-alone", 310.0), (32, "adaptive", 250.0)]
+        for n, p, tps, bursts in [
+            (1, "verifier-alone", 100.0, [90.0, 110.0]), (1, "chain-4", 80.0, [80.0, 80.0]), (1, "adaptive", 96.0, [88.0, 105.0]),
+            (32, "verifier-alone", 310.0, [310.0, 310.0]), (32, "chain-4", 90.0, [90.0, 90.0]), (32, "adaptive", 250.0, [250.0, 250.0]),
+        ]
     ]
     checks = {c["check"]: c for c in concurrency_checks(rows, mismatches=[{"concurrency": 32, "policy": "adaptive", "prompt": 0}])}
     assert not checks["greedy outputs equal to each prompt decoded alone"]["passed"]
     assert checks["verifier-alone: aggregate at 32 streams >= 3x at 1"]["passed"]
     assert not checks["adaptive: aggregate at 32 streams >= 3x at 1"]["passed"]
-    assert checks["adaptive >= 95% of the best fixed policy at 1 streams"]["passed"]
+    at_one = checks["adaptive >= 95% of the best fixed policy at 1 streams"]
+    # Paired by turn, against the best fixed policy by totals (the verifier alone here).
+    assert at_one["passed"] and at_one["best_fixed"] == "verifier-alone"
+    assert at_one["value"] == pytest.approx((88 / 90 * 105 / 110) ** 0.5)
+    assert at_one["interval"][0] <= at_one["value"] <= at_one["interval"][1]
     assert checks["adaptive >= 95% of the best fixed policy at 32 streams"]["value"] == pytest.approx(250 / 310)
     table = format_concurrency({"results": rows, "checks": list(checks.values())})
-    assert "FAIL  adaptive >= 95% of the best fixed policy at 32 streams (0.81)" in table
-    rows[0]["burst_tokens_per_second"] = [90.0, 110.0]  # each burst's rate: the machine's drift shows
-    assert "     1  verifier-alone     100.0        90-110" in format_concurrency({"results": rows, "checks": []})
+    assert "FAIL  adaptive >= 95% of the best fixed policy at 32 streams (0.81 [0.81, 0.81] paired by turn; totals 0.81)" in table
+    assert "     1  verifier-alone     100.0        90-110" in table  # each burst's rate: the machine's drift shows
