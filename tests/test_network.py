@@ -147,3 +147,18 @@ def test_concurrency_checks_read_scaling_adaptive_share_and_exactness():
     table = format_concurrency({"results": rows, "checks": list(checks.values())})
     assert "FAIL  adaptive >= 95% of the best fixed policy at 32 streams (0.81 [0.81, 0.81] paired by turn; totals 0.81)" in table
     assert "     1  verifier-alone     100.0        90-110" in table  # each burst's rate: the machine's drift shows
+
+
+def test_concurrency_turns_let_each_policy_follow_every_other_alike():
+    from collections import Counter
+
+    from specdec.bench.concurrency import turns
+
+    names = ["alone", "fixed", "adaptive"]
+    sequence = turns(names, 6)
+    assert all(sorted(turn) == sorted(names) for turn in sequence) and len(set(sequence)) == 6
+    order = [policy for turn in sequence for policy in turn]
+    follows = Counter(zip(order, order[1:]))
+    assert all(a != b for a, b in follows)  # no policy runs twice in a row
+    after_fixed = Counter(b for a, b in zip(order, order[1:]) if a == "fixed")
+    assert abs(after_fixed["adaptive"] - after_fixed["alone"]) <= 1  # a rotation: 5 to 0

@@ -77,7 +77,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     network.add_argument("--bandwidth-mbps", type=float, default=0.0, help="bandwidth cap per direction; 0 = none")
     load = parser.add_argument_group("many streams at once (instead of the method comparison; first of --trees and --budgets)")
     load.add_argument("--concurrency", help="comma-separated numbers of concurrent streams, e.g. 1,4,8,16,32")
-    load.add_argument("--concurrency-repeats", type=int, default=2, help="bursts per policy and level, the policies taking turns")
+    load.add_argument("--concurrency-repeats", type=int, default=2, help="bursts per policy and level, the policies taking turns in each of their orders (6 visit all)")
     steering = parser.add_argument_group("SD² steering ablation (instead of the method comparison; first of --trees and --budgets)")
     steering.add_argument("--steering-ablation", action="store_true", help="steered vs the same drafter unsteered vs the distilled-only drafter")
     steering.add_argument("--steered-drafter", help="drafter checkpoint with steering (default: the config's drafter)")
