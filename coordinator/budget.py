@@ -1,7 +1,7 @@
 """The speculation budget as a measured choice: a cost model over candidate plans, fed by
 every round's measurements (SmartSpec's goodput, extended with the network and the batch).
 
-    speculative plan (b draft nodes):  tokens/s = E[accepted + 1 | b] / (T_draft(b) + T_pass(N * n) + wire)
+    speculative plan (b draft nodes):  tokens/s = E[accepted + 1 | b] / (T_draft(b) + T_pass(N) + N * X(b) + wire)
     the verifier alone (b = 0):        tokens/s = block / (block * T_pass(N) + wire)
 
 The verifier batches the rounds of the N sessions that reach it together (continuous
@@ -16,7 +16,13 @@ All inputs are exponential moving averages of what the rounds measured:
   teaches what a chain of 2 would accept; for trees, accepted tokens per plan;
 - T_draft per plan;
 - T_pass by the rows of a pass (all sessions' tokens fed), piecewise linear over what was
-  measured; a fused block costs `block` passes; N, the sessions per pass: the requests in
+  measured, learned from the verifier alone's rounds: their passes hold one row per session;
+  a fused block costs `block` passes. X(b), what a plan's verify call costs per session beyond
+  such a pass (its tree's rows, the features it brings back), learned from its own rounds at
+  the load they ran at. (Tree rounds fed into T_pass instead priced a pass of 3 sessions like
+  a 3-row tree with its features, half again a one-row pass: as a burst arrived, its first
+  requests chose a one-token chain and paid for opening their drafter sessions under the
+  full load.) N, the sessions per pass: the requests in
   flight at this coordinator now, times the share of them the verifier reported in its passes
   (a burst of requests is priced as a burst from its first round on, before any reports);
 - wire time per call on each link (round trip, serialization, bandwidth), shared by all plans;
@@ -173,6 +179,7 @@ class BudgetController:
         self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}
         self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
         self.pass_ms = PassCost(self.COMPUTE_DECAY)  # by the rows of the pass, all sessions'
+        self.verify_extra_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}  # X(b): per session, beyond a one-row pass
         self.in_flight = in_flight  # requests at this coordinator now, this controller's or not
         self.pass_share = Ema(self.WIRE_DECAY)  # sessions per verifier pass / requests in flight
         self.draft_wire_ms, self.verify_wire_ms = Ema(self.WIRE_DECAY), Ema(self.WIRE_DECAY)
@@ -211,7 +218,7 @@ class BudgetController:
             step = self.pass_ms(round(sessions)) or 1.0
             return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0) + self.own_ms[False].get(0.0)) * 1e3
         accepted = self.expected_accepted(plan)
-        verify = self.pass_ms(round(sessions * (1 + plan.budget))) or 1.0  # fed: the last round's token and the draft
+        verify = (self.pass_ms(round(sessions)) or 0.0) + sessions * self.verify_extra_ms[plan].get(0.0)
         seconds_ms = self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0) + self.own_ms[True].get(0.0)
         return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
 
@@ -250,7 +257,11 @@ class BudgetController:
             self.pass_share.add((report.batch_sessions or 1.0) / max(self.in_flight(), 1))
             if not report.opened:
                 self.verify_wire_ms.add(report.verify_wire_ms)
-                self.pass_ms.add(report.pass_rows, report.verify_ms / report.passes)
+                if plan.budget == 0:
+                    self.pass_ms.add(report.pass_rows, report.verify_ms / report.passes)
+                else:
+                    sessions = report.batch_sessions or 1.0
+                    self.verify_extra_ms[plan].add((report.verify_ms - (self.pass_ms(round(sessions)) or 0.0)) / sessions)
                 if report.wall_ms:
                     self.own_ms[plan.budget > 0].add(report.unaccounted_ms)
                 if plan.budget:

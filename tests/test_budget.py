@@ -324,10 +324,12 @@ def test_a_draining_burst_does_not_make_a_revisit_overdue():
     """Hundreds of rounds at 32 sessions bring a revisit only a little nearer; when the burst
     drains to two sessions, the straggling requests (which set the burst's end) must not each
     pay a revisit at once, as they did when the gap was counted in rounds against the load now."""
-    in_flight = [32]
+    in_flight = [2]
     controller = BudgetController(PLANS, FUSED_BLOCK, revisit_every=64, in_flight=lambda: in_flight[0])
+    settle(controller, LoadedWorld(0.3, 2), rounds=60)  # every plan measured, as before a burst
+    in_flight[0] = 32
     loaded = LoadedWorld(0.3, 32)
-    settle(controller, loaded, rounds=60)  # every plan measured
+    settle(controller, loaded, rounds=60)
     for _ in range(600):  # a burst: fewer rounds than one revisit interval at this load
         controller.observe(loaded.round(controller.choose()))
     in_flight[0] = 2
@@ -337,3 +339,34 @@ def test_a_draining_burst_does_not_make_a_revisit_overdue():
         controller.observe(drained.round(plan))
     assert max(PLANS, key=drained.expected_tokens_per_s) == Plan(0)
     assert chosen == [Plan(0)] * 16
+
+
+class SharedCacheWorld(LoadedWorld):
+    """As on this CPU through the services: rows of other sessions cost 1 ms each in a pass,
+    the extra rows of one session's tree 0.5 ms, and a speculative verify call 3 ms more
+    (the features it brings back, its tree's acceptance)."""
+
+    def round(self, plan: Plan) -> RoundReport:
+        report = super().round(plan)
+        one_row_pass = 7.0 + 1.0 * (self.sessions - 1)
+        if plan.budget == 0:
+            report.verify_ms = FUSED_BLOCK * one_row_pass
+        else:
+            report.verify_ms = one_row_pass + self.sessions * (0.5 * plan.budget + 3.0)
+        return report
+
+
+def test_a_pass_of_a_few_sessions_is_priced_by_the_verifier_alone_passes():
+    """Tree rounds fed into the pass cost by rows priced a 3-session pass like a 3-row tree
+    with its features: as a burst arrived, its first requests each took a one-token chain
+    (and paid for opening their drafter sessions under the full load). The passes come from
+    the verifier alone's rounds; what a tree round costs beyond them is its plan's own."""
+    in_flight = [1]
+    controller = BudgetController(PLANS, FUSED_BLOCK, in_flight=lambda: in_flight[0])
+    for sessions in (1, 32, 1):  # idle, a burst, idle again: passes of both loads measured
+        in_flight[0] = sessions
+        settle(controller, SharedCacheWorld(0.7, sessions), rounds=200)
+    arriving = SharedCacheWorld(0.7, 3)
+    assert max(PLANS, key=arriving.expected_tokens_per_s) == Plan(0)
+    in_flight[0] = 3
+    assert controller.choose() == Plan(0)
