@@ -30,8 +30,8 @@ All inputs are exponential moving averages of what the rounds measured:
   verifier's rounds alone, one for speculative rounds (two calls and a tree to handle), so
   that a one-token chain does not look as cheap as its calls alone.
 Every plan is tried once at the start. After that, every `revisit_every` rounds (times the
-sessions per pass N, and under load times how many times slower than the best plan it looks,
-at most N; each round counts at its own load) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
+sessions per pass N, and times how many times slower than the best plan it looks, at most N,
+or 2 idle; each round counts at its own load) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
 estimate already follows the network, and the revisits refresh the rest (the drafter link's
 time while the verifier alone was winning, and slowly drifting acceptance).
 """
@@ -168,6 +168,7 @@ class BudgetController:
     # are steady, and the network may change at any moment.
     ACCEPTANCE_DECAY, COMPUTE_DECAY, WIRE_DECAY = 0.97, 0.9, 0.7
     PRIOR_WEIGHT = 2.0  # optimistic acceptance priors count as this many rounds
+    IDLE_STRETCH = 2.0  # idle, revisits of a plan that looks slower come at most this many times further apart
 
     def __init__(self, plans: list[Plan], fused_block: int, revisit_every: int = 64, in_flight: Callable[[], int] = lambda: 1):
         if not plans:
@@ -228,18 +229,20 @@ class BudgetController:
             stale = min(self.plans, key=lambda p: self.last_round[p])
             unmeasured = self.last_round[stale] < 0
             # N sessions make rounds N times as often, and a revisit under load slows them all:
-            # revisits come N times fewer rounds apart; and, under load, up to N times fewer
-            # again for a plan that looks that many times slower than the best (there drafting
-            # plans only confirm that the verifier alone wins; idle, revisits stay as they were,
-            # so that an unlucky early estimate is corrected soon). Each round brings the next
+            # revisits come N times fewer rounds apart; and up to N times fewer again (idle, up
+            # to twice) for a plan that looks that many times slower than the best. Under load
+            # drafting plans only confirm that the verifier alone wins; idle, a revisit costs a
+            # round at the stale plan's pace and its switch (the features kept meanwhile fused,
+            # the drafter catching up), and an unlucky early estimate is still corrected within
+            # two intervals. Each round brings the next
             # revisit 1/interval nearer at the load of that round: the many rounds of a burst
             # do not make a revisit overdue the moment the load falls as it drains.
             sessions = self.sessions()
             rates = {p: self.expected_tokens_per_s(p) for p in self.plans}
             best = max(self.plans, key=rates.__getitem__)
             interval = self.revisit_every * sessions
-            if not unmeasured and sessions > 1:
-                interval *= min(rates[best] / max(rates[stale], 1e-9), sessions)
+            if not unmeasured:
+                interval *= min(rates[best] / max(rates[stale], 1e-9), max(sessions, self.IDLE_STRETCH))
             self.revisit_due += 1 / interval
             if unmeasured or self.revisit_due >= 1 - 1e-9:
                 choice, self.revisit_due = stale, 0.0
