@@ -133,14 +133,18 @@ class PassCost:
     def __init__(self, decay: float):
         self.decay = decay
         self.buckets: dict[int, tuple[Ema, Ema]] = {}
+        self._points: list[tuple[float, float]] | None = None  # (rows, ms) by rows, until the next add
 
     def add(self, rows: float, ms: float) -> None:
         rows_ema, ms_ema = self.buckets.setdefault(max(round(rows), 1).bit_length(), (Ema(self.decay), Ema(self.decay)))
         rows_ema.add(rows)
         ms_ema.add(ms)
+        self._points = None
 
     def __call__(self, rows: float) -> float | None:
-        points = sorted((r.value, m.value) for r, m in self.buckets.values())
+        if self._points is None:
+            self._points = sorted((r.value, m.value) for r, m in self.buckets.values())
+        points = self._points
         if not points:
             return None
         if len(points) == 1:
@@ -188,6 +192,7 @@ class BudgetController:
         self.last_round = {p: -1 for p in self.plans}
         self.round = 0
         self.revisit_due = 0.0  # the share of the way to the next revisit, summed over rounds
+        self._accepted: dict[Plan, float] = {}  # expected_accepted, until the next speculative round
         self._lock = threading.Lock()
 
     def expected_accepted(self, plan: Plan) -> float:
@@ -197,6 +202,11 @@ class BudgetController:
         (reach[d-1] / reach[d-2]), so the rarely measured depths of a long chain do not
         look perfect; a tree starts at twice what the best chain is expected to accept
         (at most a quarter of its nodes, at least 1)."""
+        if plan not in self._accepted:
+            self._accepted[plan] = self._expected_accepted(plan)
+        return self._accepted[plan]
+
+    def _expected_accepted(self, plan: Plan) -> float:
         if not plan.profiled:
             chains = [self.expected_accepted(p) for p in self.plans if p.profiled and p.budget]
             prior = max(1.0, min(plan.budget / 4, 2 * max(chains))) if chains else max(plan.budget / 4, 1.0)
@@ -213,8 +223,8 @@ class BudgetController:
         """Sessions per verifier pass, now."""
         return max(self.in_flight() * self.pass_share.get(1.0), 1.0)
 
-    def expected_tokens_per_s(self, plan: Plan) -> float:
-        sessions = self.sessions()
+    def expected_tokens_per_s(self, plan: Plan, sessions: float | None = None) -> float:
+        sessions = sessions or self.sessions()
         if plan.budget == 0:
             step = self.pass_ms(round(sessions)) or 1.0
             return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0) + self.own_ms[False].get(0.0)) * 1e3
@@ -238,7 +248,7 @@ class BudgetController:
             # revisit 1/interval nearer at the load of that round: the many rounds of a burst
             # do not make a revisit overdue the moment the load falls as it drains.
             sessions = self.sessions()
-            rates = {p: self.expected_tokens_per_s(p) for p in self.plans}
+            rates = {p: self.expected_tokens_per_s(p, sessions) for p in self.plans}
             best = max(self.plans, key=rates.__getitem__)
             interval = self.revisit_every * sessions
             if not unmeasured:
@@ -272,6 +282,7 @@ class BudgetController:
                     self.draft_ms[plan].add(report.draft_ms)
             if plan.budget == 0:
                 return
+            self._accepted.clear()
             if plan.profiled:
                 for d in range(1, report.depth + 1):
                     self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
