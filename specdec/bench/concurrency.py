@@ -45,6 +45,7 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
     if max(levels) > limit:
         raise SystemExit(f"--concurrency {max(levels)} exceeds limits.max_concurrent_requests ({limit}) of the config")
     policies = concurrency_policies(tree_method, budget)
+    sequence = turns(policies, args.concurrency_repeats)  # the same at every level
     address = args.address or start_stack(app_args, args.port, proxies=False)
     clients = [CoordinatorClient(address, server_token(config)) for _ in range(max(levels))]
 
@@ -59,7 +60,7 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
         for level in tqdm(levels, desc="concurrency", unit="level"):
             per_client = -(-len(chat_ids) // level)  # requests per client
             measured = {name: ([], 0.0, []) for name, _ in policies}
-            for turn in turns(policies, args.concurrency_repeats):
+            for turn in sequence:
                 for name, fields in turn:
                     outcomes, wall = _burst(clients[:level], [chat_ids[j % len(chat_ids)] for j in range(level * per_client)],
                                             lambda ids, f=fields: request(ids, f))
