@@ -18,19 +18,33 @@ class OutputTracker:
         self._sent_chars = 0
 
     def add(self, tokens: list[int]) -> None:
-        """Takes one round's tokens, stopping at the first EOS, stop string or length limit."""
-        for token in tokens:
-            if self.finish_reason:
-                return
-            self.token_ids.append(token)
-            self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            cut = self._stop_position()
-            if token in self.eos_ids or cut is not None:
-                self.finish_reason = "stop"
+        """Takes one round's tokens, stopping at the first EOS, stop string or length limit.
+        The output is decoded once a round (decoding it after every token cost the
+        coordinator more than anything else it does); only a round whose text holds a stop
+        string is decoded again token by token, to end at the token that completed it."""
+        if self.finish_reason:
+            return
+        start = len(self.token_ids)
+        tokens = tokens[: self.max_new_tokens - start]
+        eos = next((i for i, token in enumerate(tokens) if token in self.eos_ids), None)
+        if eos is not None:
+            tokens = tokens[: eos + 1]
+        self.token_ids.extend(tokens)
+        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = self._stop_position(self.text)
+        if cut is not None:
+            for end in range(start + 1, len(self.token_ids) + 1):
+                text = self.tokenizer.decode(self.token_ids[:end], skip_special_tokens=True)
+                cut = self._stop_position(text)
                 if cut is not None:
-                    self.text = self.text[:cut]
-            elif len(self.token_ids) >= self.max_new_tokens:
-                self.finish_reason = "length"
+                    del self.token_ids[end:]
+                    self.text = text[:cut]
+                    break
+            self.finish_reason = "stop"
+        elif eos is not None:
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
 
     def end(self, reason: str) -> None:
         self.finish_reason = self.finish_reason or reason
@@ -44,8 +58,8 @@ class OutputTracker:
         self._sent_chars += len(text)
         return tokens, text
 
-    def _stop_position(self) -> int | None:
-        positions = [self.text.find(s, max(0, self._sent_chars - len(s))) for s in self.stop]
+    def _stop_position(self, text: str) -> int | None:
+        positions = [text.find(s, max(0, self._sent_chars - len(s))) for s in self.stop]
         found = [p for p in positions if p >= 0]
         return min(found) if found else None
 

@@ -41,3 +41,21 @@ def test_stop_string_is_held_back_then_cut():
     assert out.text == "w1 w2 w5 w7 "
     assert text == " "
     assert tokens == ids("w5 w6")  # tokens up to the one that completed the stop string
+
+
+def test_a_round_ends_where_token_by_token_adding_would():
+    tokens = ids("w1 w2 w5 w6 w3 w5 w4") + [EOS] + ids("w7")
+    for stop in ([], ["w5 w6"], ["w3 w5"], ["w4"], ["w9"]):
+        for limit in (3, 8, 50):
+            one_by_one = OutputTracker(TOKENIZER, {EOS}, stop, max_new_tokens=limit)
+            for token in tokens:
+                one_by_one.add([token])
+            for split in (2, 3, len(tokens)):
+                by_rounds = OutputTracker(TOKENIZER, {EOS}, stop, max_new_tokens=limit)
+                for at in range(0, len(tokens), split):
+                    by_rounds.add(tokens[at : at + split])
+                assert (by_rounds.token_ids, by_rounds.text, by_rounds.finish_reason) == (
+                    one_by_one.token_ids,
+                    one_by_one.text,
+                    one_by_one.finish_reason,
+                ), (stop, limit, split)
