@@ -38,6 +38,7 @@ time while the verifier alone was winning, and slowly drifting acceptance).
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -166,7 +167,11 @@ def _least_squares_slope(points: list[tuple[float, float]]) -> float:
 
 
 class BudgetController:
-    """Thread-safe; one per coordinator, shared by all requests."""
+    """Thread-safe; one per coordinator, shared by all requests, and no request waits on
+    another's bookkeeping: a report that finds the controller busy is queued for whoever
+    holds it next, and a choice that finds it busy takes the best plan as last computed
+    (and does not count toward revisits). Waiting on its lock, 32 streams' threads queued
+    behind one another every pass, and their wake-ups stalled the verifier's compute."""
 
     # How fast old measurements fade: acceptance is noisy and drifts slowly, compute times
     # are steady, and the network may change at any moment.
@@ -193,6 +198,10 @@ class BudgetController:
         self.round = 0
         self.revisit_due = 0.0  # the share of the way to the next revisit, summed over rounds
         self._accepted: dict[Plan, float] = {}  # expected_accepted, until the next speculative round
+        self._rates: tuple[int, dict[Plan, float]] | None = None  # (sessions, each plan's tokens/s) at the last choice
+        self._reports_since = 0  # reports observed since the rates were computed
+        self._best: Plan | None = None  # at the last choice
+        self._pending: deque[tuple[RoundReport, int]] = deque()  # (report, requests in flight then), not learned yet
         self._lock = threading.Lock()
 
     def expected_accepted(self, plan: Plan) -> float:
@@ -234,7 +243,12 @@ class BudgetController:
         return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
 
     def choose(self) -> Plan:
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            if self._best is not None:
+                return self._best
+            self._lock.acquire()
+        try:
+            self._learn_pending()
             self.round += 1
             stale = min(self.plans, key=lambda p: self.last_round[p])
             unmeasured = self.last_round[stale] < 0
@@ -248,7 +262,7 @@ class BudgetController:
             # revisit 1/interval nearer at the load of that round: the many rounds of a burst
             # do not make a revisit overdue the moment the load falls as it drains.
             sessions = self.sessions()
-            rates = {p: self.expected_tokens_per_s(p, sessions) for p in self.plans}
+            rates = self._rates_at(sessions)
             best = max(self.plans, key=rates.__getitem__)
             interval = self.revisit_every * sessions
             if not unmeasured:
@@ -258,36 +272,61 @@ class BudgetController:
                 choice, self.revisit_due = stale, 0.0
             else:
                 choice = best
-            self.last_round[choice] = self.round
+            self.last_round[choice], self._best = self.round, best
             return choice
+        finally:
+            self._lock.release()
+
+    def _rates_at(self, sessions: float) -> dict[Plan, float]:
+        """Each plan's expected tokens/s. Computed again once the load changes or as many
+        rounds were observed as sessions share a pass: N sessions report N rounds a pass, and
+        computing the rates for each of them cost each round more than the rest of the
+        controller (the model moves little within one pass)."""
+        load = round(sessions)
+        if self._rates is None or self._rates[0] != load or self._reports_since >= sessions:
+            self._rates = load, {p: self.expected_tokens_per_s(p, sessions) for p in self.plans}
+            self._reports_since = 0
+        return self._rates[1]
 
     def observe(self, report: RoundReport) -> None:
+        self._pending.append((report, self.in_flight()))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._learn_pending()
+            finally:
+                self._lock.release()
+
+    def _learn_pending(self) -> None:
+        while self._pending:
+            self._learn(*self._pending.popleft())
+
+    def _learn(self, report: RoundReport, in_flight: int) -> None:
         """A round that opened a session teaches acceptance only: reading a prompt costs a
         request's first round many times a step, and counted as one it priced a plan out
         (the verifier alone, always the first round of a feature head) for many rounds."""
-        with self._lock:
-            plan = report.plan
-            self.pass_share.add((report.batch_sessions or 1.0) / max(self.in_flight(), 1))
-            if not report.opened:
-                self.verify_wire_ms.add(report.verify_wire_ms)
-                if plan.budget == 0:
-                    self.pass_ms.add(report.pass_rows, report.verify_ms / report.passes)
-                else:
-                    sessions = report.batch_sessions or 1.0
-                    self.verify_extra_ms[plan].add((report.verify_ms - (self.pass_ms(round(sessions)) or 0.0)) / sessions)
-                if report.wall_ms:
-                    self.own_ms[plan.budget > 0].add(report.unaccounted_ms)
-                if plan.budget:
-                    self.draft_wire_ms.add(report.draft_wire_ms)
-                    self.draft_ms[plan].add(report.draft_ms)
+        plan = report.plan
+        self._reports_since += 1
+        self.pass_share.add((report.batch_sessions or 1.0) / max(in_flight, 1))
+        if not report.opened:
+            self.verify_wire_ms.add(report.verify_wire_ms)
             if plan.budget == 0:
-                return
-            self._accepted.clear()
-            if plan.profiled:
-                for d in range(1, report.depth + 1):
-                    self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
+                self.pass_ms.add(report.pass_rows, report.verify_ms / report.passes)
             else:
-                self.tree_accepted[plan].add(report.accepted)
+                sessions = report.batch_sessions or 1.0
+                self.verify_extra_ms[plan].add((report.verify_ms - (self.pass_ms(round(sessions)) or 0.0)) / sessions)
+            if report.wall_ms:
+                self.own_ms[plan.budget > 0].add(report.unaccounted_ms)
+            if plan.budget:
+                self.draft_wire_ms.add(report.draft_wire_ms)
+                self.draft_ms[plan].add(report.draft_ms)
+        if plan.budget == 0:
+            return
+        self._accepted.clear()
+        if plan.profiled:
+            for d in range(1, report.depth + 1):
+                self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
+        else:
+            self.tree_accepted[plan].add(report.accepted)
 
 
 class VerifyCosts:

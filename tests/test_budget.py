@@ -382,3 +382,21 @@ def test_idle_revisits_of_a_plan_twice_as_slow_come_twice_as_far_apart():
     settle(controller, world, rounds=200)
     chosen = settle(controller, world, rounds=3200)
     assert 1600 // 32 - 2 <= sum(n for plan, n in chosen.items() if plan.budget) <= 1600 // 32 + 2
+
+
+def test_no_request_waits_on_the_controller_while_another_holds_it():
+    """A choice that finds the controller busy takes the best plan as last computed, without
+    counting toward revisits; a report that finds it busy is learned by the next holder."""
+    world = World(0.8, 5)
+    controller = BudgetController(PLANS, FUSED_BLOCK)
+    settle(controller, world)
+    best, rounds = controller._best, controller.round
+    report = world.round(Plan(4))
+    before = controller.reach[4].weights
+    with controller._lock:  # another request's bookkeeping, under way
+        assert all(controller.choose() == best for _ in range(1000))
+        controller.observe(report)
+        assert controller.reach[4].weights == before
+    assert controller.round == rounds
+    controller.choose()
+    assert controller.reach[4].weights > before and controller.round == rounds + 1
