@@ -145,7 +145,7 @@ def test_concurrency_checks_read_scaling_adaptive_share_and_exactness():
     assert at_one["interval"][0] <= at_one["value"] <= at_one["interval"][1]
     assert checks["adaptive >= 95% of the best fixed policy at 32 streams"]["value"] == pytest.approx(250 / 310)
     table = format_concurrency({"results": rows, "checks": list(checks.values())})
-    assert "FAIL  adaptive >= 95% of the best fixed policy at 32 streams (0.81 [0.81, 0.81] paired by turn; totals 0.81)" in table
+    assert "FAIL  adaptive >= 95% of the best fixed policy at 32 streams (0.81 [0.81, 0.81] paired by wave; totals 0.81)" in table
     assert "     1  verifier-alone     100.0        90-110" in table  # each burst's rate: the machine's drift shows
 
 

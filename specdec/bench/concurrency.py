@@ -1,10 +1,11 @@
 """`specdec bench --concurrency 1,4,8,16,32`: many streams at once through one stack.
 
-At each level, N clients send requests at the same moment (held-out prompts in turn; at low
-levels each client sends several in a row, so that every level measures at least
---num-prompts requests): a burst. The policies take turns, --concurrency-repeats bursts each,
-each turn in the next of their orders (6 repeats visit all): the verifier alone, a fixed
-speculation plan and the adaptive controller. The services batch
+At each level, N clients send one request each at the same moment (held-out prompts in
+turn): a burst. The policies take turns, --concurrency-repeats turns, each turn in the next of
+their orders (6 repeats visit all): the verifier alone, a fixed speculation plan and the
+adaptive controller. At low levels a turn is several waves (every level measures at least
+--num-prompts requests a turn), and the policies take turns at every wave, on the same
+prompts: a burst of one stream lasts a second, the machine's speed wanders over tens. The services batch
 the rounds of the sessions that arrive together (specdec/core/batching.py). Reports aggregate
 tokens/s, per-stream latency (p50, p99 of the request and of its ms per token) and the plans
 run; checks every greedy output against the same prompt decoded alone, and adaptive's share of
@@ -60,13 +61,13 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
         for level in tqdm(levels, desc="concurrency", unit="level"):
             per_client = -(-len(chat_ids) // level)  # requests per client
             measured = {name: ([], 0.0, []) for name, _ in policies}
-            for turn in sequence:
+            for turn, wave in itertools.product(sequence, range(per_client)):
+                prompts = [(wave * level + i) % len(chat_ids) for i in range(level)]
                 for name, fields in turn:
-                    outcomes, wall = _burst(clients[:level], [chat_ids[j % len(chat_ids)] for j in range(level * per_client)],
-                                            lambda ids, f=fields: request(ids, f))
-                    for j, (tokens, _, _) in enumerate(outcomes):
-                        if tokens != reference[j % len(chat_ids)]:
-                            mismatches.append({"concurrency": level, "policy": name, "prompt": j % len(chat_ids)})
+                    outcomes, wall = _burst(clients[:level], [chat_ids[j] for j in prompts], lambda ids, f=fields: request(ids, f))
+                    for j, (tokens, _, _) in zip(prompts, outcomes):
+                        if tokens != reference[j]:
+                            mismatches.append({"concurrency": level, "policy": name, "prompt": j})
                     before, seconds, bursts = measured[name]
                     tokens = sum(len(t) for t, _, _ in outcomes)
                     measured[name] = (before + outcomes, seconds + wall, bursts + [tokens / wall])
@@ -100,17 +101,16 @@ def turns(policies: list, repeats: int) -> list[tuple]:
 
 
 def _burst(clients: list, prompts: list[list[int]], request) -> tuple[list, float]:
-    """The prompts sent by all clients at once (client i sends prompts i, i + N, ...); each
-    request's (token ids, seconds, stats), and the wall time of the whole burst."""
+    """One request from each client, prompt i from client i, all at once: each request's
+    (token ids, seconds, stats), and the wall time of the whole burst."""
     outcomes = [None] * len(prompts)
 
     def stream(i: int) -> None:
-        for j in range(i, len(prompts), len(clients)):
-            start = time.perf_counter()
-            response = clients[i].generate(request(prompts[j]))
-            outcomes[j] = (list(response.token_ids), time.perf_counter() - start, response.stats)
+        start = time.perf_counter()
+        response = clients[i].generate(request(prompts[i]))
+        outcomes[i] = (list(response.token_ids), time.perf_counter() - start, response.stats)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(clients))]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -160,8 +160,9 @@ def concurrency_checks(rows: list[dict], mismatches: list[dict]) -> list[dict]:
     bursts = {(r["concurrency"], r["policy"]): r["burst_tokens_per_second"] for r in rows}
     for level in levels:
         best = max((p for n, p in at if n == level and p != "adaptive"), key=lambda p: at[level, p])
-        # Each turn of the policies pairs an adaptive burst with the best fixed one's: their
-        # ratios cancel the drift between turns (the machine's speed wanders by more than 5%).
+        # Each wave of the policies pairs an adaptive burst with the best fixed one's, on the same
+        # prompts: their ratios cancel the drift between waves (the machine's speed wanders by
+        # more than 5%).
         share, low, high = paired_geometric_mean([a / b for a, b in zip(bursts[level, "adaptive"], bursts[level, best])])
         checks.append({
             "check": f"adaptive >= 95% of the best fixed policy at {level} streams", "value": share, "interval": [low, high],
@@ -185,7 +186,7 @@ def format_concurrency(report: dict) -> str:
 def _check_value(check: dict) -> str:
     if "interval" in check:
         low, high = check["interval"]
-        return f" ({check['value']:.2f} [{low:.2f}, {high:.2f}] paired by turn; totals {check['aggregate']:.2f})"
+        return f" ({check['value']:.2f} [{low:.2f}, {high:.2f}] paired by wave; totals {check['aggregate']:.2f})"
     return f" ({check['value']:.2f})" if "value" in check else ""
 
 
