@@ -169,8 +169,8 @@ def _least_squares_slope(points: list[tuple[float, float]]) -> float:
 class BudgetController:
     """Thread-safe; one per coordinator, shared by all requests, and no request waits on
     another's bookkeeping: a report that finds the controller busy is queued for whoever
-    holds it next, and a choice that finds it busy takes the best plan as last computed
-    (and does not count toward revisits). Waiting on its lock, 32 streams' threads queued
+    holds it next, and a choice that finds it busy takes the best plan as last computed at
+    the same load (and does not count toward revisits; at another load it waits). Waiting on its lock, 32 streams' threads queued
     behind one another every pass, and their wake-ups stalled the verifier's compute."""
 
     # How fast old measurements fade: acceptance is noisy and drifts slowly, compute times
@@ -200,7 +200,7 @@ class BudgetController:
         self._accepted: dict[Plan, float] = {}  # expected_accepted, until the next speculative round
         self._rates: tuple[int, dict[Plan, float]] | None = None  # (sessions, each plan's tokens/s) at the last choice
         self._reports_since = 0  # reports observed since the rates were computed
-        self._best: Plan | None = None  # at the last choice
+        self._best: tuple[int, Plan] | None = None  # (sessions per pass, the best plan) at the last choice
         self._pending: deque[tuple[RoundReport, int]] = deque()  # (report, requests in flight then), not learned yet
         self._lock = threading.Lock()
 
@@ -244,9 +244,9 @@ class BudgetController:
 
     def choose(self) -> Plan:
         if not self._lock.acquire(blocking=False):
-            if self._best is not None:
-                return self._best
-            self._lock.acquire()
+            if self._best is not None and self._best[0] == round(self.sessions()):
+                return self._best[1]
+            self._lock.acquire()  # the load changed (a burst arriving): the last best is no guide
         try:
             self._learn_pending()
             self.round += 1
@@ -272,7 +272,7 @@ class BudgetController:
                 choice, self.revisit_due = stale, 0.0
             else:
                 choice = best
-            self.last_round[choice], self._best = self.round, best
+            self.last_round[choice], self._best = self.round, (round(sessions), best)
             return choice
         finally:
             self._lock.release()

@@ -6,6 +6,7 @@ behind the latency injector."""
 from __future__ import annotations
 
 import random
+import threading
 from collections import Counter
 
 import pytest
@@ -385,18 +386,26 @@ def test_idle_revisits_of_a_plan_twice_as_slow_come_twice_as_far_apart():
 
 
 def test_no_request_waits_on_the_controller_while_another_holds_it():
-    """A choice that finds the controller busy takes the best plan as last computed, without
-    counting toward revisits; a report that finds it busy is learned by the next holder."""
+    """A choice that finds the controller busy takes the best plan as last computed at the
+    same load, without counting toward revisits; a report that finds it busy is learned by
+    the next holder. At another load (a burst arriving) the choice waits for the controller:
+    the last best, computed for one stream, chose one-token chains for a burst of 32."""
     world = World(0.8, 5)
-    controller = BudgetController(PLANS, FUSED_BLOCK)
+    load = [1]
+    controller = BudgetController(PLANS, FUSED_BLOCK, in_flight=lambda: load[0])
     settle(controller, world)
-    best, rounds = controller._best, controller.round
+    (_, best), rounds = controller._best, controller.round
     report = world.round(Plan(4))
     before = controller.reach[4].weights
     with controller._lock:  # another request's bookkeeping, under way
         assert all(controller.choose() == best for _ in range(1000))
         controller.observe(report)
         assert controller.reach[4].weights == before
-    assert controller.round == rounds
-    controller.choose()
-    assert controller.reach[4].weights > before and controller.round == rounds + 1
+        load[0] = 32
+        waiting = threading.Thread(target=controller.choose)
+        waiting.start()
+        waiting.join(timeout=0.2)
+        assert waiting.is_alive()
+    waiting.join(timeout=5)
+    assert not waiting.is_alive() and controller.round == rounds + 1
+    assert controller.reach[4].weights > before and controller._best[0] == 32
