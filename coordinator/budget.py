@@ -238,7 +238,9 @@ class BudgetController:
             step = self.pass_ms(round(sessions)) or 1.0
             return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0) + self.own_ms[False].get(0.0)) * 1e3
         accepted = self.expected_accepted(plan)
-        verify = (self.pass_ms(round(sessions)) or 0.0) + sessions * self.verify_extra_ms[plan].get(0.0)
+        # X(b) >= 0: a plan's verify call holds a verifier-alone pass; a noisy negative estimate
+        # would price a one-token chain under the verifier alone.
+        verify = (self.pass_ms(round(sessions)) or 0.0) + sessions * max(self.verify_extra_ms[plan].get(0.0), 0.0)
         seconds_ms = self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0) + self.own_ms[True].get(0.0)
         return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
 
