@@ -169,9 +169,10 @@ def _least_squares_slope(points: list[tuple[float, float]]) -> float:
 class BudgetController:
     """Thread-safe; one per coordinator, shared by all requests, and no request waits on
     another's bookkeeping: a report that finds the controller busy is queued for whoever
-    holds it next, and a choice that finds it busy takes the best plan as last computed at
-    the same load (and does not count toward revisits; at another load it waits). Waiting on its lock, 32 streams' threads queued
-    behind one another every pass, and their wake-ups stalled the verifier's compute."""
+    holds it next, and a choice that finds it busy takes the best plan by the rates last
+    computed, if they were computed at the same load (and does not count toward revisits; at
+    another load it waits). Waiting on its lock, 32 streams' threads queued behind one
+    another every pass, and their wake-ups stalled the verifier's compute."""
 
     # How fast old measurements fade: acceptance is noisy and drifts slowly, compute times
     # are steady, and the network may change at any moment.
@@ -198,9 +199,8 @@ class BudgetController:
         self.round = 0
         self.revisit_due = 0.0  # the share of the way to the next revisit, summed over rounds
         self._accepted: dict[Plan, float] = {}  # expected_accepted, until the next speculative round
-        self._rates: tuple[int, dict[Plan, float]] | None = None  # (sessions, each plan's tokens/s) at the last choice
+        self._rates: tuple[int, dict[Plan, float]] | None = None  # (round(sessions), each plan's tokens/s) at the last choice
         self._reports_since = 0  # reports observed since the rates were computed
-        self._best: tuple[int, Plan] | None = None  # (sessions per pass, the best plan) at the last choice
         self._pending: deque[tuple[RoundReport, int]] = deque()  # (report, requests in flight then), not learned yet
         self._lock = threading.Lock()
 
@@ -246,8 +246,9 @@ class BudgetController:
 
     def choose(self) -> Plan:
         if not self._lock.acquire(blocking=False):
-            if self._best is not None and self._best[0] == round(self.sessions()):
-                return self._best[1]
+            best = self._best_at(round(self.sessions()))
+            if best is not None:
+                return best
             self._lock.acquire()  # the load changed (a burst arriving): the last best is no guide
         try:
             self._learn_pending()
@@ -274,10 +275,17 @@ class BudgetController:
                 choice, self.revisit_due = stale, 0.0
             else:
                 choice = best
-            self.last_round[choice], self._best = self.round, (round(sessions), best)
+            self.last_round[choice] = self.round
             return choice
         finally:
             self._lock.release()
+
+    def _best_at(self, load: int) -> Plan | None:
+        """The best plan by the rates last computed, if they were computed at this load."""
+        rates = self._rates
+        if rates is None or rates[0] != load:
+            return None
+        return max(self.plans, key=rates[1].__getitem__)
 
     def _rates_at(self, sessions: float) -> dict[Plan, float]:
         """Each plan's expected tokens/s. Computed again once the load changes or as many

@@ -394,7 +394,7 @@ def test_no_request_waits_on_the_controller_while_another_holds_it():
     load = [1]
     controller = BudgetController(PLANS, FUSED_BLOCK, in_flight=lambda: load[0])
     settle(controller, world)
-    (_, best), rounds = controller._best, controller.round
+    best, rounds = controller._best_at(1), controller.round
     report = world.round(Plan(4))
     before = controller.reach[4].weights
     with controller._lock:  # another request's bookkeeping, under way
@@ -408,4 +408,4 @@ def test_no_request_waits_on_the_controller_while_another_holds_it():
         assert waiting.is_alive()
     waiting.join(timeout=5)
     assert not waiting.is_alive() and controller.round == rounds + 1
-    assert controller.reach[4].weights > before and controller._best[0] == 32
+    assert controller.reach[4].weights > before and controller._best_at(32) is not None

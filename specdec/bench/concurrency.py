@@ -59,9 +59,9 @@ def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tre
         reference = [list(clients[0].generate(request(ids, policies[0][1])).token_ids) for ids in tqdm(chat_ids, desc="references")]
         clients[0].generate(request(chat_ids[0], {"adaptive": True}, 4 * args.max_new_tokens))  # the controller measures its plans
         for level in tqdm(levels, desc="concurrency", unit="level"):
-            per_client = -(-len(chat_ids) // level)  # requests per client
+            waves = -(-len(chat_ids) // level)  # each client sends one request a wave
             measured = {name: ([], 0.0, []) for name, _ in policies}
-            for turn, wave in itertools.product(sequence, range(per_client)):
+            for turn, wave in itertools.product(sequence, range(waves)):
                 prompts = [(wave * level + i) % len(chat_ids) for i in range(level)]
                 for name, fields in turn:
                     outcomes, wall = _burst(clients[:level], [chat_ids[j] for j in prompts], lambda ids, f=fields: request(ids, f))
