@@ -160,6 +160,15 @@ def test_native_attention_gives_each_query_what_it_gets_alone():
         for row in range(count):
             alone = kernels.attention(q[row : row + 1], keys_t, values, start + row + 1, start + row, None)
             assert torch.equal(alone[0], together[row])
+        # A tree: each row sees the context, a random set of earlier rows (its branch) and itself;
+        # rows that share a pass see different keys past the context.
+        branches = torch.rand(count, count).tril(-1) < 0.4
+        tree_mask = mask.clone()
+        tree_mask[:, start:] = branches | torch.eye(count, dtype=torch.bool)
+        tree = kernels.attention(q, keys_t, values, length, start, tree_mask)
+        for row in range(count):
+            alone = kernels.attention(q[row : row + 1], keys_t, values, length, start + row, tree_mask[row : row + 1])
+            assert torch.equal(alone[0], tree[row])
         keys = keys_t.transpose(1, 2).double()
         for row in range(count):
             seen = start + row + 1

@@ -165,10 +165,24 @@ float quantize_row(const float* x, const float* smoothing, int64_t k, int64_t k_
   return scale;
 }
 
-// acc[r][c] = sum over k of x[r][k] * w[c][k] for R rows and the 16 channels of a block.
-// Integer sums are exact, so how they are split and ordered never changes a result.
+// Quantized rows are laid out in chunks of kChunk steps (four inputs a step): chunk c of row r
+// is the 64 bytes at (c * rows + r) * kChunkBytes. One base address then serves every row of
+// a step (a pointer per row spilled registers past 8 rows and cost a third of the
+// throughput), and each row's chunk is one cache line, so threads quantizing different rows
+// never write the same line.
+constexpr int64_t kChunk = 16;
+constexpr int64_t kChunkBytes = 4 * kChunk;
+
+int64_t chunks_of(int64_t k_steps) { return (k_steps + kChunk - 1) / kChunk; }
+
+// Where step s of row 0 lies; row r's is kChunkBytes * r further.
+int64_t step_offset(int64_t s, int64_t chunk_stride) { return (s / kChunk) * chunk_stride + (s % kChunk) * 4; }
+
+// acc[r][c] = sum over k of x[r][k] * w[c][k] for R rows and the 16 channels of a block; x in
+// chunks, chunk_stride bytes from one chunk to the next. Integer sums are exact, so how they
+// are split and ordered never changes a result.
 template <int R>
-void block_dot(const uint8_t* x, int64_t x_stride, int64_t plane, const int8_t* block, int64_t k_steps, int32_t* acc) {
+void block_dot(const uint8_t* x, int64_t chunk_stride, int64_t plane, const int8_t* block, int64_t k_steps, int32_t* acc) {
 #if defined(__AVX512VNNI__)
   constexpr int kChains = R == 1 ? 2 : 1;  // one row: two chains, odd and even steps, hide the latency
   __m512i sums[R][kChains];
@@ -178,27 +192,26 @@ void block_dot(const uint8_t* x, int64_t x_stride, int64_t plane, const int8_t* 
   // Blocks lie one after another: while this block computes, the next one streams into L2
   // (every pass over the rows asks again; a line already there costs nothing).
   const int8_t* next = block + k_steps * 64;
-  int64_t s = 0;
-  for (; s + kChains <= k_steps; s += kChains) {
-#pragma GCC unroll 2
-    for (int c = 0; c < kChains; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + (s + c) * 64), _MM_HINT_T1);
-      const __m512i w = _mm512_loadu_si512(block + (s + c) * 64);
+  // One chunk of steps at a time: within it every row's four bytes lie at a constant offset
+  // from one address.
+  for (int64_t s0 = 0; s0 < k_steps; s0 += kChunk) {
+    const uint8_t* xc = x + (s0 / kChunk) * chunk_stride;
+    const int8_t* wc = block + s0 * 64;
+    const auto step = [&](int64_t j, int chain) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + (s0 + j) * 64), _MM_HINT_T1);
+      const __m512i w = _mm512_loadu_si512(wc + j * 64);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         int32_t four;
-        std::memcpy(&four, x + r * x_stride + (s + c) * 4, 4);
-        sums[r][c] = _mm512_dpbusd_epi32(sums[r][c], _mm512_set1_epi32(four), w);
+        std::memcpy(&four, xc + r * kChunkBytes + j * 4, 4);
+        sums[r][chain] = _mm512_dpbusd_epi32(sums[r][chain], _mm512_set1_epi32(four), w);
       }
-    }
-  }
-  for (; s < k_steps; ++s) {
-    const __m512i w = _mm512_loadu_si512(block + s * 64);
+    };
+    if (s0 + kChunk <= k_steps) {
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, x + r * x_stride + s * 4, 4);
-      sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], _mm512_set1_epi32(four), w);
+      for (int64_t j = 0; j < kChunk; ++j) step(j, static_cast<int>(j % kChains));
+    } else {
+      for (int64_t j = 0; j < k_steps - s0; ++j) step(j, 0);
     }
   }
 #pragma GCC unroll 16
@@ -224,8 +237,8 @@ void block_dot(const uint8_t* x, int64_t x_stride, int64_t plane, const int8_t* 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       int32_t four_magnitudes, four;
-      std::memcpy(&four_magnitudes, x + r * x_stride + s * 4, 4);
-      std::memcpy(&four, x + plane + r * x_stride + s * 4, 4);
+      std::memcpy(&four_magnitudes, x + step_offset(s, chunk_stride) + r * kChunkBytes, 4);
+      std::memcpy(&four, x + plane + step_offset(s, chunk_stride) + r * kChunkBytes, 4);
       const __m256i magnitude = _mm256_set1_epi32(four_magnitudes), q = _mm256_set1_epi32(four);
       low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w0, q)), ones));
       high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w1, q)), ones));
@@ -242,18 +255,18 @@ void block_dot(const uint8_t* x, int64_t x_stride, int64_t plane, const int8_t* 
       int32_t sum = 0;
       for (int64_t s = 0; s < k_steps; ++s)
         for (int j = 0; j < 4; ++j)
-          sum += static_cast<int32_t>(x[r * x_stride + s * 4 + j]) * static_cast<int32_t>(block[(s * kBlock + c) * 4 + j]);
+          sum += static_cast<int32_t>(x[step_offset(s, chunk_stride) + r * kChunkBytes + j]) * static_cast<int32_t>(block[(s * kBlock + c) * 4 + j]);
       acc[r * kBlock + c] = sum;
     }
 #endif
 }
 
 template <int R>
-void rows_dot(int rows, const uint8_t* x, int64_t x_stride, int64_t plane, const int8_t* block, int64_t k_steps, int32_t* acc) {
+void rows_dot(int rows, const uint8_t* x, int64_t chunk_stride, int64_t plane, const int8_t* block, int64_t k_steps, int32_t* acc) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_dot<R - 1>(rows, x, x_stride, plane, block, k_steps, acc);
+    if (rows < R) return rows_dot<R - 1>(rows, x, chunk_stride, plane, block, k_steps, acc);
   }
-  block_dot<R>(x, x_stride, plane, block, k_steps, acc);
+  block_dot<R>(x, chunk_stride, plane, block, k_steps, acc);
 }
 
 // One row of one block: out[c] = float(acc[c] - kZeroPoint sum(w[c])) * (row_scale * w_scale[c]) (+ bias[c]).
@@ -297,22 +310,25 @@ struct Int8Layer {
   int64_t k_pad() const { return k_steps * 4; }
 
   // Each row of the input, made by make_row(r, buffer) as k floats (each row on its own, in
-  // any order), quantized for this layer: kPlanes planes of [m][k_pad]. Rows are split over
-  // threads only when there are many: a parallel region costs more than a few rows' work.
+  // any order), quantized for this layer: kPlanes planes of [chunks][m][kChunkBytes], as
+  // block_dot reads them. Rows are split over threads only when there are many: a parallel
+  // region costs more than a few rows' work.
   template <typename MakeRow>
   void quantize(int64_t m, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& row_scale) const {
     TORCH_CHECK(k_pad() == round_up(k, 4), "packed weights do not match the input");
-    xq.resize(kPlanes * m * k_pad());
+    const int64_t row_bytes = chunks_of(k_steps) * kChunkBytes;
+    xq.resize(kPlanes * m * row_bytes);
     row_scale.resize(m);
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
       std::vector<float> row(k);
+      std::vector<uint8_t> planes(kPlanes * row_bytes);  // this row's planes, contiguous, before they go to their chunks
       for (int64_t r = first; r < last; ++r) {
         make_row(r, row.data());
-        uint8_t* shifted = xq.data() + r * k_pad();
+        uint8_t* shifted = planes.data();
         row_scale[r] = quantize_row(row.data(), smoothing, k, k_pad(), shifted);
 #if defined(SPECDEC_MADDUBS)
-        uint8_t* signed_q = shifted + m * k_pad();
-        for (int64_t i = 0; i < k_pad(); i += 32) {  // k_pad is a multiple of 4; rows are contiguous, planes long
+        uint8_t* signed_q = shifted + row_bytes;
+        for (int64_t i = 0; i < k_pad(); i += 32) {  // k_pad is a multiple of 4
           const int64_t take = std::min<int64_t>(32, k_pad() - i);
           if (take == 32) {
             const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(shifted + i)), _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -327,6 +343,9 @@ struct Int8Layer {
           }
         }
 #endif
+        for (int64_t p = 0; p < kPlanes; ++p)
+          for (int64_t c = 0; c * kChunkBytes < row_bytes; ++c)
+            std::memcpy(xq.data() + p * m * row_bytes + (c * m + r) * kChunkBytes, planes.data() + p * row_bytes + c * kChunkBytes, kChunkBytes);
       }
     });
   }
@@ -342,7 +361,7 @@ struct Int8Layer {
         const int8_t* block = packed + blk * k_steps * kBlock * 4;
         for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly: 17 -> 9 + 8, not 16 + 1
           const int rows = static_cast<int>((m - r0) / (groups - g));
-          rows_dot<kRows>(rows, xq.data() + r0 * k_pad(), k_pad(), m * k_pad(), block, k_steps, acc);
+          rows_dot<kRows>(rows, xq.data() + r0 * kChunkBytes, m * kChunkBytes, m * chunks_of(k_steps) * kChunkBytes, block, k_steps, acc);
           for (int r = 0; r < rows; ++r)
             epilogue(acc + r * kBlock, sums, scale, bias, row_scale[r0 + r], blk * kBlock, n, out + (r0 + r) * n);
           r0 += rows;
@@ -405,51 +424,69 @@ __m256 exp8(__m256 x) {
 }
 #endif
 
-// Scores q . k / sqrt(d) of G query heads (q rows [G][d]) against keys [0, needed) held
-// transposed, [d][stride], into scores [G][score_stride]. Each lane of a vector is one key's
-// dot product with one head, summed over d in order, so a score never depends on its
-// neighbours; G heads times four blocks of keys keep up to sixteen chains in flight. A lane's
-// result is the same whichever of the two loops computes it.
-template <int G, typename T>
-void scores_of(const float* q, const T* keys_t, int64_t stride, int64_t dim, int64_t needed, float scale, float* scores,
-               int64_t score_stride) {
+// Query heads that share one pass over the keys (scores_of) and over the values
+// (accumulate_values): the heads of several rows of one key/value head, so each key and value
+// is read once for all of them. The accumulators stay in registers (AVX-512 has 32, AVX2 16).
 #if defined(__AVX512F__)
+constexpr int kScoreHeads = 12;
+constexpr int kValueHeads = 6;
+#else
+constexpr int kScoreHeads = 4;
+constexpr int kValueHeads = 4;
+#endif
+constexpr int64_t kKeysAhead = 256;  // keys prefetched this far ahead: each of the d key rows is its own stream
+
+// Scores q . k / sqrt(d) of G query heads (q transposed: q[d * q_stride + g], so one address
+// serves all heads of a step) against keys [0, needed) held transposed, [d][stride], into
+// scores [G][score_stride]. Each lane of a vector is one key's
+// dot product with one head, summed over d in order, so a score never depends on its
+// neighbours, on G, or on which of the two loops computes it.
+template <int G, typename T>
+void scores_of(const float* q, int64_t q_stride, const T* keys_t, int64_t stride, int64_t dim, int64_t needed, float scale,
+               float* scores, int64_t score_stride) {
+#if defined(__AVX512F__)
+  constexpr int kKeyBlocks = G <= 6 ? 4 : G <= 8 ? 3 : 2;  // blocks of 16 keys a pass: G * kKeyBlocks <= 24 accumulators
+  constexpr int64_t kLineBytes = 64, kRowBytes = static_cast<int64_t>(sizeof(T)) * 16 * kKeyBlocks;
   const __m512 scaling = _mm512_set1_ps(scale);
   int64_t j = 0;
-  for (; j + 64 <= needed; j += 64) {
-    __m512 acc[G][4];
-#pragma GCC unroll 4
+  for (; j + 16 * kKeyBlocks <= needed; j += 16 * kKeyBlocks) {
+    const bool far = j + kKeysAhead + 16 * kKeyBlocks <= needed;  // short caches stay in L1/L2: prefetching them only costs
+    __m512 acc[G][kKeyBlocks];
+#pragma GCC unroll 12
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-      for (int b = 0; b < 4; ++b) acc[g][b] = _mm512_setzero_ps();
+      for (int b = 0; b < kKeyBlocks; ++b) acc[g][b] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
       const T* row = keys_t + d * stride + j;
-      const __m512 k0 = load16(row), k1 = load16(row + 16), k2 = load16(row + 32), k3 = load16(row + 48);
+      if (far)
+        for (int64_t line = 0; line < kRowBytes; line += kLineBytes)
+          _mm_prefetch(reinterpret_cast<const char*>(row + kKeysAhead) + line, _MM_HINT_T0);
+      __m512 k[kKeyBlocks];
 #pragma GCC unroll 4
+      for (int b = 0; b < kKeyBlocks; ++b) k[b] = load16(row + 16 * b);
+#pragma GCC unroll 12
       for (int g = 0; g < G; ++g) {
-        const __m512 qd = _mm512_set1_ps(q[g * dim + d]);
-        acc[g][0] = _mm512_fmadd_ps(qd, k0, acc[g][0]);
-        acc[g][1] = _mm512_fmadd_ps(qd, k1, acc[g][1]);
-        acc[g][2] = _mm512_fmadd_ps(qd, k2, acc[g][2]);
-        acc[g][3] = _mm512_fmadd_ps(qd, k3, acc[g][3]);
+        const __m512 qd = _mm512_set1_ps(q[d * q_stride + g]);
+#pragma GCC unroll 4
+        for (int b = 0; b < kKeyBlocks; ++b) acc[g][b] = _mm512_fmadd_ps(qd, k[b], acc[g][b]);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 12
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-      for (int b = 0; b < 4; ++b) _mm512_storeu_ps(scores + g * score_stride + j + 16 * b, _mm512_mul_ps(acc[g][b], scaling));
+      for (int b = 0; b < kKeyBlocks; ++b) _mm512_storeu_ps(scores + g * score_stride + j + 16 * b, _mm512_mul_ps(acc[g][b], scaling));
   }
   for (; j < needed; j += 16) {
     const __mmask16 inside = lanes_of(needed - j);
     __m512 acc[G];
-#pragma GCC unroll 4
+#pragma GCC unroll 12
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
       const __m512 k = load16(inside, keys_t + d * stride + j);
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dim + d]), k, acc[g]);
+#pragma GCC unroll 12
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[d * q_stride + g]), k, acc[g]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 12
     for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores + g * score_stride + j, inside, _mm512_mul_ps(acc[g], scaling));
   }
 #elif defined(__AVX2__)
@@ -464,7 +501,7 @@ void scores_of(const float* q, const T* keys_t, int64_t stride, int64_t dim, int
       const __m256 k0 = load8(row), k1 = load8(row + 8);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
-        const __m256 qd = _mm256_set1_ps(q[g * dim + d]);
+        const __m256 qd = _mm256_set1_ps(q[d * q_stride + g]);
         acc[g][0] = _mm256_fmadd_ps(qd, k0, acc[g][0]);
         acc[g][1] = _mm256_fmadd_ps(qd, k1, acc[g][1]);
       }
@@ -483,7 +520,7 @@ void scores_of(const float* q, const T* keys_t, int64_t stride, int64_t dim, int
     for (int64_t d = 0; d < dim; ++d) {
       const __m256 k = load8(inside, keys_t + d * stride + j);
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(q[g * dim + d]), k, acc[g]);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(q[d * q_stride + g]), k, acc[g]);
     }
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) _mm256_maskstore_ps(scores + g * score_stride + j, inside, _mm256_mul_ps(acc[g], scaling));
@@ -492,7 +529,7 @@ void scores_of(const float* q, const T* keys_t, int64_t stride, int64_t dim, int
   for (int g = 0; g < G; ++g)
     for (int64_t j = 0; j < needed; ++j) {
       float dot = 0.f;
-      for (int64_t d = 0; d < dim; ++d) dot = dot + q[g * dim + d] * static_cast<float>(keys_t[d * stride + j]);
+      for (int64_t d = 0; d < dim; ++d) dot = dot + q[d * q_stride + g] * static_cast<float>(keys_t[d * stride + j]);
       scores[g * score_stride + j] = dot * scale;
     }
 #endif
@@ -544,63 +581,89 @@ float softmax_numerators(float* scores, int64_t count) {
 #endif
 }
 
-// out[g] = sum_j weights[g][j] v_seen[j] / totals[g] for G query heads sharing the keys; each
-// head's sum runs over j in order. With AVX-512 each value row is loaded once for all heads;
-// AVX2's 16 registers hold one head's 32 channels at a time.
+// acc[g] += weights[g][j] * v(j) for j in [j0, j1) in order, v(j) the value row seen[j] (row j
+// where seen is null), for G query heads sharing the values; acc [G][dim] in memory, so a sum
+// can stop and go on (the shared context for a block of rows, then each row's own keys) and
+// still add the same numbers in the same order. With AVX-512 each value row is loaded once
+// for all heads; AVX2's 16 registers hold one head's 32 channels at a time.
 template <int G, typename T>
-void weighted_values(const T* values, int64_t dim, const int64_t* seen, int64_t count, const float* weights, int64_t weight_stride,
-                     const float* totals, float* out, int64_t out_stride) {
+void accumulate_values(const T* values, int64_t dim, const int64_t* seen, int64_t j0, int64_t j1, const float* weights,
+                       int64_t weight_stride, float* acc) {
+  const auto value_row = [&](int64_t j) { return values + (seen ? seen[j] : j) * dim; };
 #if defined(__AVX512F__)
   if (dim == 64) {
-    __m512 acc[G][4];
+    __m512 sums[G][4];
+#pragma GCC unroll 6
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < count; ++j) {
-      const T* value = values + seen[j] * dim;
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) sums[g][c] = _mm512_loadu_ps(acc + g * dim + 16 * c);
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* value = value_row(j);
       __m512 v[4];
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) v[c] = load16(value + 16 * c);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(weights[g * weight_stride + j]);
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+        for (int c = 0; c < 4; ++c) sums[g][c] = _mm512_fmadd_ps(p, v[c], sums[g][c]);
       }
     }
+#pragma GCC unroll 6
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * out_stride + 16 * c, _mm512_div_ps(acc[g][c], _mm512_set1_ps(totals[g])));
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * dim + 16 * c, sums[g][c]);
     return;
   }
 #elif defined(__AVX2__)
   if (dim % 32 == 0) {  // one head and 32 channels at a time: four accumulators
     for (int g = 0; g < G; ++g)
       for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-        __m256 acc[4];
+        float* a = acc + g * dim + d0;
+        __m256 sums[4];
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) acc[c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < count; ++j) {
-          const T* value = values + seen[j] * dim + d0;
+        for (int c = 0; c < 4; ++c) sums[c] = _mm256_loadu_ps(a + 8 * c);
+        for (int64_t j = j0; j < j1; ++j) {
+          const T* value = value_row(j) + d0;
           const __m256 p = _mm256_set1_ps(weights[g * weight_stride + j]);
 #pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) acc[c] = _mm256_fmadd_ps(p, load8(value + 8 * c), acc[c]);
+          for (int c = 0; c < 4; ++c) sums[c] = _mm256_fmadd_ps(p, load8(value + 8 * c), sums[c]);
         }
-        const __m256 total = _mm256_set1_ps(totals[g]);
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + g * out_stride + d0 + 8 * c, _mm256_div_ps(acc[c], total));
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(a + 8 * c, sums[c]);
       }
     return;
   }
 #endif
   for (int g = 0; g < G; ++g) {
-    float* o = out + g * out_stride;
-    for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
-    for (int64_t j = 0; j < count; ++j) {
-      const T* value = values + seen[j] * dim;
+    float* o = acc + g * dim;
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* value = value_row(j);
       const float p = weights[g * weight_stride + j];
       for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p * static_cast<float>(value[d]);
     }
-    for (int64_t d = 0; d < dim; ++d) o[d] = o[d] / totals[g];
   }
+}
+
+// out = acc / total, element by element (a division rounds alike in any vector width).
+void divide(const float* acc, float total, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_div_ps(_mm512_loadu_ps(acc + i), _mm512_set1_ps(total)));
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_div_ps(_mm256_loadu_ps(acc + i), _mm256_set1_ps(total)));
+#endif
+  for (; i < n; ++i) out[i] = acc[i] / total;
+}
+
+// f(std::integral_constant<int, count>) for a count in [1, N]: the templates above take their
+// number of heads at compile time, to keep the accumulators in registers.
+template <int N, typename F>
+void with_heads(int count, F&& f) {
+  if constexpr (N > 1) {
+    if (count < N) return with_heads<N - 1>(count, f);
+  }
+  f(std::integral_constant<int, N>{});
 }
 
 // One sequence's attention: t queries (q [t, heads, d] rows) over the first `length` positions
@@ -619,63 +682,83 @@ struct AttentionSegment {
 };
 
 // The attention of every segment in one parallel region (a region costs more than one
-// one-token segment's work). One work item is one row's query heads of one key/value head.
+// one-token segment's work). One work item is a block of one segment's rows and one key/value
+// head: their query heads share each pass over the keys, and over the values of the keys every
+// row of the block sees in order (the committed context); each row then adds its own (its
+// branch of the tree). Every (row, head) still sums its own numbers in its own fixed order.
 template <typename T>
 void attend(const std::vector<AttentionSegment<T>>& segments, int64_t heads, int64_t dim, int64_t kv_heads) {
   const int64_t groups = heads / kv_heads;
+  const int64_t block_rows = std::max<int64_t>(1, kScoreHeads / groups);
+  const auto blocks_of = [&](int64_t t) { return (t + block_rows - 1) / block_rows; };
   const float scale = 1.f / std::sqrt(static_cast<float>(dim));
   std::vector<int64_t> ends;  // items of segments 0..i
-  int64_t longest = 0;
+  int64_t longest = 0, widest = 1;
   for (const auto& segment : segments) {
-    ends.push_back((ends.empty() ? 0 : ends.back()) + segment.t * kv_heads);
+    ends.push_back((ends.empty() ? 0 : ends.back()) + kv_heads * blocks_of(segment.t));
     longest = std::max(longest, segment.length);
+    widest = std::max(widest, std::min(segment.t, block_rows));
   }
   if (ends.empty()) return;
-  const int64_t padded = round_up(longest, 16);
+  const int64_t padded = round_up(longest, 16), most = widest * groups;  // scratch for the widest block only
   at::parallel_for(0, ends.back(), 1, [&](int64_t first, int64_t last) {
-    std::vector<int64_t> seen(longest);
-    std::vector<float> all_scores(4 * padded), weights(4 * padded), totals(4);
+    std::vector<int64_t> seen(widest * longest), counts(widest), prefixes(widest);
+    std::vector<const int64_t*> seen_of(widest);
+    std::vector<float> queries(most * dim), scores(most * padded), weights(most * padded), totals(most), acc(most * dim);
     for (int64_t item = first; item < last; ++item) {
       const size_t index = std::upper_bound(ends.begin(), ends.end(), item) - ends.begin();
       const AttentionSegment<T>& sg = segments[index];
-      const int64_t local = item - (index ? ends[index - 1] : 0);
-      const int64_t kv = local / sg.t, row = local % sg.t;  // one key/value head's rows in turn: its keys stay in cache
-      int64_t count = 0;
-      if (sg.allowed) {
-        for (int64_t j = 0; j < sg.length; ++j)
-          if (sg.allowed[row * sg.length + j]) seen[count++] = j;
-      } else {
-        for (int64_t j = 0; j <= sg.start + row; ++j) seen[count++] = j;
+      const int64_t local = item - (index ? ends[index - 1] : 0), blocks = blocks_of(sg.t);
+      const int64_t kv = local / blocks, block = local % blocks;  // one key/value head's blocks in turn: its keys stay in cache
+      const int64_t r0 = block * sg.t / blocks, rows = (block + 1) * sg.t / blocks - r0, count_heads = rows * groups;
+      int64_t needed = 0, shared = longest;
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = r0 + i;
+        int64_t count = 0, prefix;
+        if (sg.allowed) {
+          int64_t* own = seen.data() + i * longest;
+          for (int64_t j = 0; j < sg.length; ++j)
+            if (sg.allowed[row * sg.length + j]) own[count++] = j;
+          prefix = 0;  // own[j] == j up to here: copied, not gathered
+          while (prefix < count && own[prefix] == prefix) ++prefix;
+          seen_of[i] = own;
+          needed = std::max(needed, count ? own[count - 1] + 1 : 0);
+        } else {
+          count = prefix = sg.start + row + 1;
+          seen_of[i] = nullptr;
+          needed = std::max(needed, count);
+        }
+        counts[i] = count;
+        prefixes[i] = prefix;
+        shared = std::min(shared, prefix);
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t d = 0; d < dim; ++d) queries[d * most + i * groups + g] = sg.q[(row * heads + kv * groups + g) * dim + d];
       }
-      const int64_t needed = count ? seen[count - 1] + 1 : 0;
-      int64_t prefix = 0;  // seen[j] == j up to here (the committed context): copied, not gathered
-      while (prefix < count && seen[prefix] == prefix) ++prefix;
-      const float* qs = sg.q + (row * heads + kv * groups) * dim;
       const T* k = sg.keys_t + kv * sg.capacity * dim;
       const T* v = sg.values + kv * sg.capacity * dim;
-      float* o = sg.out + row * heads * dim + kv * groups * dim;
-      for (int64_t g = 0; g < groups;) {  // up to four query heads share each pass over keys and values
-        const int64_t take = std::min<int64_t>(4, groups - g);
-        const auto heads_of = [&](auto group) {
-          constexpr int G = decltype(group)::value;
-          scores_of<G>(qs + g * dim, k, sg.capacity, dim, needed, scale, all_scores.data(), padded);
-          for (int h = 0; h < G; ++h) {
-            float* w = weights.data() + h * padded;
-            const float* from = all_scores.data() + h * padded;
-            std::memcpy(w, from, prefix * sizeof(float));
-            for (int64_t j = prefix; j < count; ++j) w[j] = from[seen[j]];
-            totals[h] = softmax_numerators(w, count);
-          }
-          weighted_values<G>(v, dim, seen.data(), count, weights.data(), padded, totals.data(), o + g * dim, dim);
-        };
-        switch (take) {
-          case 4: heads_of(std::integral_constant<int, 4>{}); break;
-          case 3: heads_of(std::integral_constant<int, 3>{}); break;
-          case 2: heads_of(std::integral_constant<int, 2>{}); break;
-          default: heads_of(std::integral_constant<int, 1>{});
-        }
-        g += take;
+      for (int64_t h = 0; h < count_heads; h += kScoreHeads)
+        with_heads<kScoreHeads>(static_cast<int>(std::min<int64_t>(kScoreHeads, count_heads - h)), [&](auto n) {
+          scores_of<decltype(n)::value>(queries.data() + h, most, k, sg.capacity, dim, needed, scale, scores.data() + h * padded, padded);
+        });
+      for (int64_t h = 0; h < count_heads; ++h) {
+        const int64_t i = h / groups;
+        float* w = weights.data() + h * padded;
+        const float* from = scores.data() + h * padded;
+        std::memcpy(w, from, prefixes[i] * sizeof(float));
+        for (int64_t j = prefixes[i]; j < counts[i]; ++j) w[j] = from[seen_of[i][j]];
+        totals[h] = softmax_numerators(w, counts[i]);
       }
+      std::fill(acc.begin(), acc.begin() + count_heads * dim, 0.f);
+      const auto add_values = [&](int64_t h0, int64_t heads_here, const int64_t* own, int64_t j0, int64_t j1) {
+        for (int64_t h = h0; h < h0 + heads_here; h += kValueHeads)
+          with_heads<kValueHeads>(static_cast<int>(std::min<int64_t>(kValueHeads, h0 + heads_here - h)), [&](auto n) {
+            accumulate_values<decltype(n)::value>(v, dim, own, j0, j1, weights.data() + h * padded, padded, acc.data() + h * dim);
+          });
+      };
+      add_values(0, count_heads, nullptr, 0, shared);
+      for (int64_t i = 0; i < rows; ++i) add_values(i * groups, groups, seen_of[i], shared, counts[i]);
+      for (int64_t h = 0; h < count_heads; ++h)
+        divide(acc.data() + h * dim, totals[h], dim, sg.out + (r0 + h / groups) * heads * dim + (kv * groups + h % groups) * dim);
     }
   });
 }
