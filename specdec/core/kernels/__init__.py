@@ -14,7 +14,7 @@ from specdec.core.hub import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("engine_cpu.cpp")
+KERNEL_SOURCE = Path(__file__).with_name("engine_cpu.cpp")
 # Built for the CPU it runs on; no fused multiply-add the source did not write.
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
@@ -35,22 +35,30 @@ def native():
     if os.environ.get("SPECDEC_NATIVE_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        # One build per source text, compiler flags and CPU: -march=native code must not move
-        # to a CPU without the same instructions.
-        key = hashlib.sha256(f"{_SOURCE.read_text()}{_FLAGS}{_cpu_flags()}".encode()).hexdigest()[:12]
-        build = cache_dir() / "kernels" / key
-        build.mkdir(parents=True, exist_ok=True)
-        # torch guards a build with a lock file that a killed build leaves behind, and then
-        # every later load waits on it forever. An flock dies with its process: hold one, and
-        # clear torch's file under it.
-        with open(build / "build.flock", "w") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
-            (build / "lock").unlink(missing_ok=True)
-            return load(name=f"specdec_engine_cpu_{key}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        return build(KERNEL_SOURCE.read_text())
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops still work
         log.warning("native engine kernels unavailable, running torch ops instead: %s", err)
         return None
 
+
+def build(source: str):
+    """The kernels compiled from `source` (the text of an engine_cpu.cpp), built once per source
+    text, compiler flags and CPU (-march=native code must not move to a CPU without the same
+    instructions) and cached; a module of its own, so builds of two versions load side by side
+    (scripts/kernel_ab.py)."""
+    from torch.utils.cpp_extension import load
+
+    key = hashlib.sha256(f"{source}{_FLAGS}{_cpu_flags()}".encode()).hexdigest()[:12]
+    directory = cache_dir() / "kernels" / key
+    directory.mkdir(parents=True, exist_ok=True)
+    # torch guards a build with a lock file that a killed build leaves behind, and then every
+    # later load waits on it forever. An flock dies with its process: hold one, and clear
+    # torch's file under it.
+    with open(directory / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        copy = directory / KERNEL_SOURCE.name
+        if not copy.exists() or copy.read_text() != source:
+            copy.write_text(source)
+        return load(name=f"specdec_engine_cpu_{key}", sources=[str(copy)], extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)

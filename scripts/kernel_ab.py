@@ -1,0 +1,97 @@
+"""A/B two versions of the engine's native kernels in one process: both builds loaded, the
+served verifier's forward for k new tokens after a committed context run with each in turn,
+forward by forward (this machine's speed drifts by +-25% over seconds, so only pairs taken
+moments apart compare). Prints and saves each build's median time and the median of the
+paired ratios new/base with its quartiles.
+
+    .venv/bin/python scripts/kernel_ab.py --base HEAD~1 --tokens 1,9,17 --context 200 --pairs 40
+
+`--base` and `--new` name git revisions of specdec/core/kernels/engine_cpu.cpp; `--new`
+defaults to the working tree. Both builds must pack weights alike (checked): the model's
+weights are packed once, by the build the engine loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import specdec.core.engine as engine_module
+from specdec.core.kernels import KERNEL_SOURCE, build
+from specdec.core.models import load_model
+from specdec.serving.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def source_at(revision: str | None) -> str:
+    if revision is None:
+        return KERNEL_SOURCE.read_text()
+    path = KERNEL_SOURCE.relative_to(REPO).as_posix()
+    return subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return q1, median, q3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision of the kernels to compare against")
+    parser.add_argument("--new", default=None, help="git revision of the new kernels (default: the working tree)")
+    parser.add_argument("--tokens", default="1,9,17", help="comma-separated new-token counts k")
+    parser.add_argument("--context", type=int, default=200, help="committed context length")
+    parser.add_argument("--pairs", type=int, default=40, help="forwards per build and k")
+    parser.add_argument("--config", default=None, help="YAML config whose verifier is measured")
+    parser.add_argument("--out", default="runs/kernel_ab.json")
+    args = parser.parse_args()
+
+    builds = {"base": build(source_at(args.base)), "new": build(source_at(args.new))}
+    probe = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    if not torch.equal(builds["base"].pack_weight(probe), builds["new"].pack_weight(probe)):
+        raise SystemExit("the two builds pack weights differently: their forwards cannot share one loaded model")
+    spec = load_config(args.config).verifier.model
+    engine = engine_module.engine_for(load_model(spec), spec.dtype)
+    if getattr(engine, "native_layers", None) is None:
+        raise SystemExit(f"the verifier ({spec.dtype}) does not run on the native kernels")
+    tokens = [int(k) for k in args.tokens.split(",")]
+    ids = torch.randint(1000, 40000, (args.context + max(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
+    times: dict[tuple[str, int], list[float]] = {(name, k): [] for name in builds for k in tokens}
+    with torch.inference_mode():
+        cache = engine.new_cache()
+        engine(cache, ids[: args.context])
+        for pair in tqdm(range(args.pairs + 2), desc="pairs", unit="pair"):
+            for k in tokens:
+                for name in ("base", "new") if pair % 2 else ("new", "base"):
+                    kernels = builds[name]
+                    engine_module.native = lambda kernels=kernels: kernels  # the layers ask for it each call
+                    engine.lm_head.kernels = kernels
+                    cache.truncate(args.context)
+                    start = time.perf_counter()
+                    engine(cache, ids[args.context : args.context + k], num_logits=k)
+                    if pair >= 2:  # the first two warm caches and allocators
+                        times[(name, k)].append((time.perf_counter() - start) * 1e3)
+    rows = []
+    for k in tokens:
+        base, new = times[("base", k)], times[("new", k)]
+        low, ratio, high = quartiles([b / a for a, b in zip(base, new)])
+        rows.append({"tokens": k, "context": args.context, "base_ms": statistics.median(base), "new_ms": statistics.median(new),
+                     "new_over_base": ratio, "quartiles": [low, high],
+                     "base_x_one_token": statistics.median(base) / statistics.median(times[("base", tokens[0])]),
+                     "new_x_one_token": statistics.median(new) / statistics.median(times[("new", tokens[0])])})
+        print(f"k={k:3d}: base {rows[-1]['base_ms']:7.2f} ms  new {rows[-1]['new_ms']:7.2f} ms  new/base {ratio:.3f} [{low:.3f}, {high:.3f}]")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"base": args.base, "new": args.new or "working tree", "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
