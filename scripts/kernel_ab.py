@@ -7,8 +7,9 @@ paired ratios new/base with its quartiles.
     .venv/bin/python scripts/kernel_ab.py --base HEAD~1 --tokens 1,9,17 --context 200 --pairs 40
 
 `--base` and `--new` name git revisions of specdec/core/kernels/engine_cpu.cpp; `--new`
-defaults to the working tree. Both builds must pack weights alike (checked): the model's
-weights are packed once, by the build the engine loaded.
+defaults to the working tree. Both builds must pack weights alike (checked: the model's
+weights are packed once, by the build the engine loaded) and take the same arguments from
+specdec/core/engine.py (the working tree's).
 """
 from __future__ import annotations
 
@@ -58,9 +59,14 @@ def main() -> None:
     if not torch.equal(builds["base"].pack_weight(probe), builds["new"].pack_weight(probe)):
         raise SystemExit("the two builds pack weights differently: their forwards cannot share one loaded model")
     spec = load_config(args.config).verifier.model
-    engine = engine_module.engine_for(load_model(spec), spec.dtype)
+    model = load_model(spec)
+    engine = engine_module.engine_for(model, spec.dtype)
     if getattr(engine, "native_layers", None) is None:
         raise SystemExit(f"the verifier ({spec.dtype}) does not run on the native kernels")
+    layers = {}  # each build's own layer objects (one build's LayerWeights is a type the other does not know)
+    for name, kernels in builds.items():
+        engine_module.native = lambda kernels=kernels: kernels
+        layers[name] = engine._native_layers(model.config)
     tokens = [int(k) for k in args.tokens.split(",")]
     ids = torch.randint(1000, 40000, (args.context + max(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
     times: dict[tuple[str, int], list[float]] = {(name, k): [] for name in builds for k in tokens}
@@ -72,7 +78,7 @@ def main() -> None:
                 for name in ("base", "new") if pair % 2 else ("new", "base"):
                     kernels = builds[name]
                     engine_module.native = lambda kernels=kernels: kernels  # the layers ask for it each call
-                    engine.lm_head.kernels = kernels
+                    engine.native_layers, engine.lm_head.kernels = layers[name], kernels
                     cache.truncate(args.context)
                     start = time.perf_counter()
                     engine(cache, ids[args.context : args.context + k], num_logits=k)

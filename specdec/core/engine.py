@@ -162,9 +162,9 @@ class NativeLayer:
         norms = [n.weight.detach().float().contiguous() for n in (input_norm, post_norm)]
         parts = [[m.packed, m.sums, m.scale, empty if m.bias is None else m.bias, empty if m.smoothing is None else m.smoothing]
                  for m in (qkv, o, gate_up, down)]
-        self.weights = [norms[0], *parts[0], *parts[1], norms[1], *parts[2], *parts[3]]
-        self.widths = [m.out_features for m in (qkv, o, gate_up, down)]
-        self.eps = eps
+        self.weights = native().LayerWeights(
+            [norms[0], *parts[0], *parts[1], norms[1], *parts[2], *parts[3]], [m.out_features for m in (qkv, o, gate_up, down)], eps
+        )
 
     def __call__(self, x, cos, sin, keys: list, values: list, starts: list[int], counts: list[int], masks: list, heads: int,
                  up_delta: torch.Tensor | None = None):
@@ -174,7 +174,7 @@ class NativeLayer:
         (T, head_dim). Returns the layer's output (T, H): each row exactly what its sequence
         alone would give."""
         masks = [_CAUSAL if m is None else m for m in masks]
-        return native().int8_decoder_layer(x, self.weights, self.widths, self.eps, cos, sin, keys, values, starts, counts, masks, heads, up_delta)
+        return native().int8_decoder_layer(x, self.weights, cos, sin, keys, values, starts, counts, masks, heads, up_delta)
 
 
 def native_layer(input_norm, qkv, o, post_norm, gate_up, down, eps: float) -> NativeLayer | None:
