@@ -45,6 +45,14 @@ constexpr int64_t kPlanes = 2;
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
+// A buffer of at least n elements, only ever grown: a buffer kept between calls is not zeroed
+// again (its elements are all written before they are read).
+template <typename V>
+V* at_least(std::vector<V>& buffer, int64_t n) {
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 #if defined(__AVX512F__)
 // The lanes of a 16-wide vector that hold one of the `remaining` elements.
 __mmask16 lanes_of(int64_t remaining) {
@@ -308,6 +316,7 @@ struct Int8Layer {
         blocks(packed_.size(0)), k_steps(packed_.size(1)), n(n_) {}
 
   int64_t k_pad() const { return k_steps * 4; }
+  int64_t row_bytes() const { return chunks_of(k_steps) * kChunkBytes; }  // one quantized row in its chunks
 
   // Each row of the input, made by make_row(r, buffer) as k floats (each row on its own, in
   // any order), quantized for this layer: kPlanes planes of [chunks][m][kChunkBytes], as
@@ -316,18 +325,18 @@ struct Int8Layer {
   template <typename MakeRow>
   void quantize(int64_t m, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& row_scale) const {
     TORCH_CHECK(k_pad() == round_up(k, 4), "packed weights do not match the input");
-    const int64_t row_bytes = chunks_of(k_steps) * kChunkBytes;
-    if (xq.size() < static_cast<size_t>(kPlanes * m * row_bytes)) xq.resize(kPlanes * m * row_bytes);  // only grown: kept buffers are not zeroed again
-    if (row_scale.size() < static_cast<size_t>(m)) row_scale.resize(m);
+    const int64_t bytes = row_bytes();
+    at_least(xq, kPlanes * m * bytes);
+    at_least(row_scale, m);
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
       std::vector<float> row(k);
-      std::vector<uint8_t> planes(kPlanes * row_bytes);  // this row's planes, contiguous, before they go to their chunks
+      std::vector<uint8_t> planes(kPlanes * bytes);  // this row's planes, contiguous, before they go to their chunks
       for (int64_t r = first; r < last; ++r) {
         make_row(r, row.data());
         uint8_t* shifted = planes.data();
         row_scale[r] = quantize_row(row.data(), smoothing, k, k_pad(), shifted);
 #if defined(SPECDEC_MADDUBS)
-        uint8_t* signed_q = shifted + row_bytes;
+        uint8_t* signed_q = shifted + bytes;
         for (int64_t i = 0; i < k_pad(); i += 32) {  // k_pad is a multiple of 4
           const int64_t take = std::min<int64_t>(32, k_pad() - i);
           if (take == 32) {
@@ -344,8 +353,8 @@ struct Int8Layer {
         }
 #endif
         for (int64_t p = 0; p < kPlanes; ++p)
-          for (int64_t c = 0; c * kChunkBytes < row_bytes; ++c)
-            std::memcpy(xq.data() + p * m * row_bytes + (c * m + r) * kChunkBytes, planes.data() + p * row_bytes + c * kChunkBytes, kChunkBytes);
+          for (int64_t c = 0; c * kChunkBytes < bytes; ++c)
+            std::memcpy(xq.data() + p * m * bytes + (c * m + r) * kChunkBytes, planes.data() + p * bytes + c * kChunkBytes, kChunkBytes);
       }
     });
   }
@@ -361,7 +370,7 @@ struct Int8Layer {
         const int8_t* block = packed + blk * k_steps * kBlock * 4;
         for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly: 17 -> 9 + 8, not 16 + 1
           const int rows = static_cast<int>((m - r0) / (groups - g));
-          rows_dot<kRows>(rows, xq.data() + r0 * kChunkBytes, m * kChunkBytes, m * chunks_of(k_steps) * kChunkBytes, block, k_steps, acc);
+          rows_dot<kRows>(rows, xq.data() + r0 * kChunkBytes, m * kChunkBytes, m * row_bytes(), block, k_steps, acc);
           for (int r = 0; r < rows; ++r)
             epilogue(acc + r * kBlock, sums, scale, bias, row_scale[r0 + r], blk * kBlock, n, out + (r0 + r) * n);
           r0 += rows;
@@ -965,10 +974,6 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, const LayerWeights& layer, tor
   // the end (kKeptElements), so a served process does not hold them for good.
   thread_local std::vector<uint8_t> xq;
   thread_local std::vector<float> row_scale, projected_rows, attended_rows, q_rows, mlp_rows;
-  const auto at_least = [](std::vector<float>& buffer, int64_t n) {
-    if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
-    return buffer.data();
-  };
   float* projected = at_least(projected_rows, t * std::max(widths[0], widths[2]));
   float* attended = at_least(attended_rows, t * q_size);
   float* q = at_least(q_rows, t * q_size);
