@@ -70,7 +70,6 @@ class DrafterSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
     prompt_length: int = 0  # of tokens: the context it was opened with
     ngram: NgramIndex | None = None  # the n-gram index of the committed tokens
-    own: OwnChoices = field(default_factory=OwnChoices)  # staged speculation: its own drafts so far
     forward_passes: int = 0  # model forwards run for this session
     # The last n-gram draft and its proposer, which learns from the tokens committed after it.
     lesson: tuple[NgramProposer, NgramDraft] | None = None
@@ -129,6 +128,7 @@ class DrafterEngine:
         # in the forward it runs anyway; right guesses save forwards, the draft is unchanged.
         self.lookahead = staged_lookahead
         self.stage2 = self.proposers[settings.method or "prompt-lookup"] if staged_lookahead else None
+        self.own_choices = OwnChoices()  # the drafter's own choices so far, in every session
         self._load(spec, steering_checkpoint)
         self.kv_bytes_per_token = self._kv_bytes_per_token()
 
@@ -195,8 +195,9 @@ class DrafterEngine:
         each steered one alone."""
         plain = [i for i, f in enumerate(forwards) if f.deltas is None]
         results: list[Any] = [None] * len(forwards)
-        for i, result in zip(plain, self.engine.forward_many([forwards[i].call for i in plain])):
-            results[i] = result
+        if plain:
+            for i, result in zip(plain, self.engine.forward_many([forwards[i].call for i in plain])):
+                results[i] = result
         for i in (i for i, f in enumerate(forwards) if f.deltas is not None):
             with self.steering.applied(forwards[i].deltas):
                 results[i] = self.engine.forward_many([forwards[i].call])[0]
@@ -367,11 +368,11 @@ class DrafterEngine:
 
     def _guess(self, session: DrafterSession, tail: list[int]) -> DraftTree:
         """The second stage's guess of what the drafter drafts after `tail`: what it drafted
-        before after the same tokens (Katz-style back-off from two tokens to one), else what
-        followed them in the context."""
+        before after the same tokens in any session (Katz-style back-off from three tokens to
+        one), else what followed them in the context."""
         if not self.stage2:
             return DraftTree()
-        own = session.own.guess(tail, self.lookahead)
+        own = self.own_choices.guess(tail, self.lookahead)
         if not own:
             return self.stage2.propose(session.ngram, tail, self.lookahead, self.lookahead).tree
         return DraftTree(own, list(range(-1, len(own) - 1)))
@@ -390,8 +391,8 @@ class DrafterEngine:
                 if node == ROOT:
                     continue
                 if self.stage2:
-                    before = context[-2:] + [tree.token_ids[n] for n in tree.path_to(tree.parent[node])]
-                    session.own.record(before, tree.token_ids[node])
+                    before = context[-OwnChoices.ORDERS[0] :] + [tree.token_ids[n] for n in tree.path_to(tree.parent[node])]
+                    self.own_choices.record(before, tree.token_ids[node])
                 key = (fed_node[tree.parent[node]], tree.token_ids[node])
                 if key not in fed_child:  # not guessed by the second stage: fed now
                     fed_child[key] = fed.add(key[1], key[0])

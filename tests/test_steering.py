@@ -371,7 +371,8 @@ def test_ablation_prompt_sets_and_checks(steering_runs):
     assert not sampled["gain_met"] and not sampled["cost_under_3_percent"]  # +12.5% misses the T=1 bar of +15%
 
 
-def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(steer_dirs, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "int8"])  # torch's ops; the native int8 layers
+def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(steer_dirs, tmp_path, dtype):
     """A steering vector changes what a fed node's cache rows hold, so a staged drafter may
     reuse across calls only the nodes the drafter alone would have fed, not its guesses; its
     drafts stay the drafter's own, round after round, with a new vector each round."""
@@ -381,7 +382,7 @@ def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(ste
     from specdec.core.tree import ROOT, TreeShape
 
     # Two layers: steering changes the up-branch, so only the second layer's cache rows move.
-    spec = ModelSpec(str(build_model_dir(tmp_path / "drafter", seed=2, layers=2)))
+    spec = ModelSpec(str(build_model_dir(tmp_path / "drafter", seed=2, layers=2)), dtype=dtype)
     torch.manual_seed(0)
     drafter_part = DrafterSteering.for_model(load_model(spec), 32)
     torch.nn.init.normal_(drafter_part.proj.weight, std=0.5)

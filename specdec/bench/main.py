@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,7 @@ class Tally:
     accepted: int = 0
     speculative_rounds: int = 0
     draft_forward_passes: int = 0
+    drafter_failures: int = 0  # failed Draft calls: those rounds went on with the verifier alone
     wire_ms: float = 0.0
     total_ms: float = 0.0
     rounds: int = 0
@@ -111,6 +113,7 @@ class Tally:
         self.accepted += stats.accepted_draft_tokens
         self.speculative_rounds += stats.speculative_rounds
         self.draft_forward_passes += stats.draft_forward_passes
+        self.drafter_failures += stats.drafter_failures
         self.rounds += stats.rounds
         self.wire_ms += stats.wire_serialization_ms
         self.total_ms += stats.total_ms
@@ -316,6 +319,7 @@ def run_bench(args) -> int:
                     "mean_accepted_per_round": tally.accepted / tally.speculative_rounds if tally.speculative_rounds else None,
                     "tokens_per_verify_call": sum(tally.tokens) / tally.rounds if tally.rounds else None,
                     "draft_forwards_per_round": tally.draft_forward_passes / tally.speculative_rounds if tally.speculative_rounds else None,
+                    "drafter_failures": tally.drafter_failures,
                     "vs_autoregressive": tally.ratio_to(alone),
                     "vs_hf_assisted": tally.ratio_to(tallies["hf_assisted"]),
                     "vs_hf_generate_fp32": tally.ratio_to(tallies["hf_generate_fp32"]),
@@ -333,6 +337,9 @@ def run_bench(args) -> int:
                     row["greedy_matches_verifier_alone"] = _share_equal(tally.outputs, alone.outputs)
                     if served.dtype == "float32":
                         row["greedy_matches_hf_generate"] = _share_equal(tally.outputs, tallies["hf_generate"].outputs)
+                if tally.drafter_failures:
+                    print(f"warning: {name}: {tally.drafter_failures} Draft calls failed and their rounds went on with "
+                          "the verifier alone, so this row does not measure its drafter (see the drafter's log)", file=sys.stderr)
                 results.append(row)
     finally:
         for each in clients.values():

@@ -236,20 +236,28 @@ class NgramProposer:
 
 class OwnChoices:
     """A back-off model of a drafter built from its own drafts, the second stage of staged
-    speculation: what it chose last after each pair of tokens, else after the last token."""
+    speculation: what it chose last after the same three tokens, else two, else one. One
+    model serves every session of a drafter (a drafter repeats its choices across requests
+    too); past `max_entries` histories it starts again from empty."""
 
-    def __init__(self):
+    ORDERS = (3, 2, 1)
+
+    def __init__(self, max_entries: int = 1 << 20):
+        self.max_entries = max_entries
         self._after: dict[tuple[int, ...], int] = {}
 
     def record(self, before: list[int], token: int) -> None:
-        self._after[tuple(before[-2:])] = token
-        self._after[tuple(before[-1:])] = token
+        if len(self._after) >= self.max_entries:
+            self._after = {}
+        for n in self.ORDERS:
+            if len(before) >= n:
+                self._after[tuple(before[-n:])] = token
 
     def guess(self, tail: list[int], length: int) -> list[int]:
         """Up to `length` tokens the drafter would likely draft after `tail`."""
-        tail, guessed = list(tail[-2:]), []
+        tail, guessed = list(tail[-self.ORDERS[0] :]), []
         while len(guessed) < length:
-            token = self._after.get(tuple(tail[-2:]), self._after.get(tuple(tail[-1:])))
+            token = next((t for n in self.ORDERS if (t := self._after.get(tuple(tail[-n:]))) is not None), None)
             if token is None:
                 break
             guessed.append(token)
