@@ -70,6 +70,7 @@ class DrafterSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
     prompt_length: int = 0  # of tokens: the context it was opened with
     ngram: NgramIndex | None = None  # the n-gram index of the committed tokens
+    own: OwnChoices | None = None  # staged speculation: the drafter's own choices so far
     forward_passes: int = 0  # model forwards run for this session
     # The last n-gram draft and its proposer, which learns from the tokens committed after it.
     lesson: tuple[NgramProposer, NgramDraft] | None = None
@@ -128,7 +129,8 @@ class DrafterEngine:
         # in the forward it runs anyway; right guesses save forwards, the draft is unchanged.
         self.lookahead = staged_lookahead
         self.stage2 = self.proposers[settings.method or "prompt-lookup"] if staged_lookahead else None
-        self.own_choices = OwnChoices()  # the drafter's own choices so far, in every session
+        memory = settings.recent_output_tokens * len(OwnChoices.ORDERS)
+        self.shared_choices = OwnChoices(memory) if staged_lookahead and memory else None  # None: each session its own
         self._load(spec, steering_checkpoint)
         self.kv_bytes_per_token = self._kv_bytes_per_token()
 
@@ -168,6 +170,7 @@ class DrafterEngine:
         session = self.session_type(context, sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), self._new_cache())
         session.prompt_length = len(context)
         session.ngram = NgramIndex(self.proposers["suffix"].settings.max_ngram, context)
+        session.own = self.shared_choices or OwnChoices()
         return session
 
     def end_session(self, session_id: str) -> bool:
@@ -368,11 +371,11 @@ class DrafterEngine:
 
     def _guess(self, session: DrafterSession, tail: list[int]) -> DraftTree:
         """The second stage's guess of what the drafter drafts after `tail`: what it drafted
-        before after the same tokens in any session (Katz-style back-off from three tokens to
-        one), else what followed them in the context."""
+        before after the same tokens (in any session, with memory across requests; Katz-style
+        back-off from three tokens to one), else what followed them in the context."""
         if not self.stage2:
             return DraftTree()
-        own = self.own_choices.guess(tail, self.lookahead)
+        own = session.own.guess(tail, self.lookahead)
         if not own:
             return self.stage2.propose(session.ngram, tail, self.lookahead, self.lookahead).tree
         return DraftTree(own, list(range(-1, len(own) - 1)))
@@ -392,7 +395,7 @@ class DrafterEngine:
                     continue
                 if self.stage2:
                     before = context[-OwnChoices.ORDERS[0] :] + [tree.token_ids[n] for n in tree.path_to(tree.parent[node])]
-                    self.own_choices.record(before, tree.token_ids[node])
+                    session.own.record(before, tree.token_ids[node])
                 key = (fed_node[tree.parent[node]], tree.token_ids[node])
                 if key not in fed_child:  # not guessed by the second stage: fed now
                     fed_child[key] = fed.add(key[1], key[0])

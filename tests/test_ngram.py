@@ -101,7 +101,7 @@ def test_recent_outputs_keep_at_most_their_token_budget():
 
 
 def test_own_choices_back_off_from_the_longest_history_and_stay_bounded():
-    own = OwnChoices(max_entries=10)
+    own = OwnChoices(max_entries=8)
     own.record([1, 2, 3], 7)  # after 1 2 3 the drafter chose 7
     own.record([9, 2, 3], 8)  # after 9 2 3 it chose 8: the shorter histories now say 8
     assert own.guess([1, 2, 3], 1) == [7] and own.guess([9, 2, 3], 1) == [8] and own.guess([5, 2, 3], 1) == [8]
@@ -109,8 +109,8 @@ def test_own_choices_back_off_from_the_longest_history_and_stay_bounded():
     own.record([2, 3, 7], 8)
     own.record([3, 7, 8], 3)
     assert own.guess([1, 2, 3], 3) == [7, 8, 3]  # guesses chain on their own output
-    own.record([5, 5, 5], 1)  # past max_entries it starts again from empty
-    assert own.guess([1, 2, 3], 1) == [] and own.guess([5, 5, 5], 1) == [1]
+    own.record([5, 5, 5], 1)  # past max_entries the older half goes
+    assert own.guess([1, 2, 3], 1) == [] and own.guess([2, 3, 7], 1) == [8] and own.guess([5, 5, 5], 1) == [1]
 
 
 def test_merge_keeps_the_first_tree_and_adds_the_paths_it_lacks():
@@ -203,10 +203,10 @@ def test_a_model_free_drafter_runs_inside_the_coordinator(tiny_dirs, tiny_verifi
 @pytest.mark.parametrize("method", ["chain", "dynamic"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, method, temperature):
-    """Staged speculation: the second stage (the drafter's own earlier choices in any session,
-    else the context's n-grams) guesses the drafter's tokens; checked in the forwards the
-    drafter runs anyway, right guesses save forwards and change nothing. A second session
-    starts from what the first taught it."""
+    """Staged speculation: the second stage (the drafter's own earlier choices, else the
+    context's n-grams) guesses the drafter's tokens; checked in the forwards the drafter runs
+    anyway, right guesses save forwards and change nothing. With memory across requests a
+    second session starts from what the first taught it; without, each starts afresh."""
     from drafter_service.drafter import DrafterEngine
     from specdec.core.models import ModelSpec, load_model
     from specdec.core.sampling import Sampling
@@ -217,9 +217,10 @@ def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, me
     context = [1, 5, 9] + hf_greedy(load_model(spec), [1, 5, 9], 24)
     plain = DrafterEngine(spec)
     staged = DrafterEngine(spec, ngram=NgramSettings(min_ngram=1), staged_lookahead=4)
+    alone = DrafterEngine(spec, ngram=NgramSettings(min_ngram=1, recent_output_tokens=0), staged_lookahead=4)  # no memory across requests
     shape = TreeShape(method=method, width=2)
     trees, forwards = {}, {}
-    for engine in (plain, staged):
+    for engine in (plain, staged, alone):
         for session_id in ("first", "second"):
             session = engine.open_session(session_id, context, Sampling(temperature=temperature, seed=7), "")
             trees[engine, session_id], forwards[engine, session_id], new = [], 0, []
@@ -229,9 +230,9 @@ def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, me
                 forwards[engine, session_id] += draft.forward_passes
                 new = draft.tree.token_ids[:1] + draft.tree.token_ids[1:2] if draft.tree.parent[1:2] == [0] else draft.tree.token_ids[:1]
     for session_id in ("first", "second"):
-        assert trees[staged, session_id] == trees[plain, session_id]
+        assert trees[staged, session_id] == trees[alone, session_id] == trees[plain, session_id]
         assert forwards[staged, session_id] < forwards[plain, session_id]
-    assert forwards[staged, "second"] < forwards[staged, "first"]
+    assert forwards[staged, "second"] < forwards[staged, "first"] == forwards[alone, "first"] == forwards[alone, "second"]
 
 
 def test_the_adaptive_controller_runs_hybrid_plans_exactly(tiny_dirs, tiny_verifier):

@@ -225,9 +225,16 @@ def run_bench(args) -> int:
     sources = list(dict.fromkeys(entry.split(":")[0] for entry in entries))
     if args.address and len(sources) > 1:
         raise SystemExit("--drafters with several drafters starts its own stacks; leave out --address")
+    # How often each stack's drafter sees a prompt (the first stack also serves the verifier alone).
+    runs_per_prompt = {
+        source: len(temperatures) * (len(trees) * len(budgets) * sum(e.split(":")[0] == source for e in entries) + (source == sources[0]))
+        for source in sources
+    }
     clients = {}
     for j, source in enumerate(sources):  # one stack per drafter, side by side
-        stack_args = {**app_args, "coordinator": {"port": args.port + j}, "drafter": _drafter_args(source, config)}
+        # No prefix cache: every method decodes each prompt once, and a verifier that kept the
+        # prompt's keys and values would prefill it only for the method that ran first.
+        stack_args = {**app_args, "coordinator": {"port": args.port + j}, "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1), "verifier": {"prefix_cache_mib": 0}}
         if args.address:
             address = args.address
         elif j == 0:
@@ -360,6 +367,8 @@ def run_bench(args) -> int:
             "temperatures": temperatures,
             "budgets": budgets,
             "trees": {method: dataclasses.asdict(shape) for method, shape in shapes.items()},
+            "prefix_cache_mib": config.verifier.prefix_cache_mib if args.address else 0,
+            "drafter_memory_across_requests": {source: runs == 1 for source, runs in runs_per_prompt.items()},
             "torch_threads": torch.get_num_threads(),
         },
         "results": results,
@@ -399,14 +408,16 @@ def format_by_category(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _drafter_args(entry: str, config) -> dict:
+def _drafter_args(entry: str, config, sees_each_prompt_once: bool) -> dict:
     """The drafter section of the stack that benchmarks one --drafters entry."""
     own = entry in ("model", "hybrid", "staged")
+    # Memory across requests only where the drafter decodes each prompt once: it then learns
+    # from the other prompts, as in service; one that remembered a prompt's earlier run would
+    # draft its next run from it.
+    memory = {} if sees_each_prompt_once else {"recent_output_tokens": 0}
     return {
         "model": dataclasses.asdict(config.drafter.model) if own else {"source": entry},
-        # No memory of earlier outputs: a benchmark decodes each prompt once per method, and a
-        # drafter that remembered them would draft a prompt's second run from its first.
-        "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", "recent_output_tokens": 0},
+        "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
     }
 

@@ -33,7 +33,9 @@ class NgramSettings:
     max_occurrences: int = 64  # suffix: most recent occurrences whose continuations form the tree
     min_share: float = 0.1  # suffix: drop nodes fewer than this share of the occurrences went through
     length_factor: float = 3.0  # suffix: draft depth at most this many times the matched length
-    recent_output_tokens: int = 65536  # suffix: tokens of finished outputs kept for all requests (0 = none)
+    # Memory across requests (0 = each request alone): suffix keeps this many tokens of finished
+    # outputs, staged drafting three times as many of the drafter's own choices.
+    recent_output_tokens: int = 65536
 
     def validate(self, model_free: bool) -> None:
         """Raises ValueError naming the bad key."""
@@ -236,28 +238,33 @@ class NgramProposer:
 
 class OwnChoices:
     """A back-off model of a drafter built from its own drafts, the second stage of staged
-    speculation: what it chose last after the same three tokens, else two, else one. One
-    model serves every session of a drafter (a drafter repeats its choices across requests
-    too); past `max_entries` histories it starts again from empty."""
+    speculation: what it chose last after the same three tokens, else two, else one. A drafter
+    with memory across requests shares one among its sessions (it repeats its choices across
+    requests too); past `max_entries` histories the older half is dropped."""
 
     ORDERS = (3, 2, 1)
 
     def __init__(self, max_entries: int = 1 << 20):
         self.max_entries = max_entries
-        self._after: dict[tuple[int, ...], int] = {}
+        self._recent: dict[tuple[int, ...], int] = {}
+        self._older: dict[tuple[int, ...], int] = {}
 
     def record(self, before: list[int], token: int) -> None:
-        if len(self._after) >= self.max_entries:
-            self._after = {}
+        if len(self._recent) >= self.max_entries // 2:
+            self._older, self._recent = self._recent, {}
         for n in self.ORDERS:
             if len(before) >= n:
-                self._after[tuple(before[-n:])] = token
+                self._recent[tuple(before[-n:])] = token
+
+    def _after(self, history: tuple[int, ...]) -> int | None:
+        token = self._recent.get(history)
+        return self._older.get(history) if token is None else token
 
     def guess(self, tail: list[int], length: int) -> list[int]:
         """Up to `length` tokens the drafter would likely draft after `tail`."""
         tail, guessed = list(tail[-self.ORDERS[0] :]), []
         while len(guessed) < length:
-            token = next((t for n in self.ORDERS if (t := self._after.get(tuple(tail[-n:]))) is not None), None)
+            token = next((t for n in self.ORDERS if (t := self._after(tuple(tail[-n:]))) is not None), None)
             if token is None:
                 break
             guessed.append(token)
