@@ -417,9 +417,10 @@ class DrafterEngine:
         if shape.method == "lattice-ngram":
             lm, tail = NgramLM(session.ngram), context[-session.ngram.max_n :]
 
-            def rescore(path: list[int], token: int, logq: float) -> float:
+            def rescore(path: list[int], candidates: list[tuple[int, float]]) -> list[float]:
                 # An even mixture: where the context says nothing, the drafter's ranking stands.
-                return math.log(0.5 * math.exp(logq) + 0.5 * math.exp(lm.log_prob(tail + path, token)))
+                probs = lm.probs(tail + path, [token for token, _ in candidates])
+                return [math.log(0.5 * math.exp(logq) + 0.5 * p) for (_, logq), p in zip(candidates, probs)]
         generator = None if session.sampling.greedy else session.generator
         tree = yield from builder_for(shape, rescore).build(expand, budget, generator)
         session.fed_expanded = set(fed_node.values()) - {ROOT}

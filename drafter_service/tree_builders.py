@@ -47,8 +47,8 @@ class NextToken:
 # expand(tree, nodes): a generator yielding forward passes, whose value is the next-token
 # distribution after each node (ROOT included).
 Expand = Callable[[DraftTree, list[int]], Generator[Any, Any, list[NextToken]]]
-# rescore(path so far, token, the drafter's log-probability of it) -> the score of the token there.
-Rescore = Callable[[list[int], int, float], float]
+# rescore(path so far, [(token, the drafter's log-probability of it)]) -> each token's score there.
+Rescore = Callable[[list[int], list[tuple[int, float]]], list[float]]
 
 
 class TreeBuilder(ABC):
@@ -199,10 +199,11 @@ class LatticeTree(TreeBuilder):
             grown = []
             for parent in beam:
                 base = score[parent] if parent != ROOT else 0.0
-                for token, logq in candidates:
+                scores = self.rescore(path[parent], candidates) if self.rescore else [logq for _, logq in candidates]
+                for (token, _), token_score in zip(candidates, scores):
                     child = tree.add(token, parent)
                     path[child] = path[parent] + [token]
-                    score.append(base + (self.rescore(path[parent], token, logq) if self.rescore else logq))
+                    score.append(base + token_score)
                     grown.append(child)
             beam = sorted(grown, key=lambda n: (-score[n], n))[:budget]
         # Scores only fall along a path, so the best `budget` nodes include their parents.

@@ -178,7 +178,7 @@ def test_lattice_keeps_the_best_prefixes_of_the_chain_lattice_and_rescoring_move
     scores = {seq: sum(float(logq[d][t]) for d, t in enumerate(seq)) for length in (1, 2, 3) for seq in itertools.product(range(VOCAB), repeat=length)}
     assert paths(tree) == set(sorted(scores, key=lambda s: -scores[s])[:5])
     # A rescorer that likes token 0 everywhere pulls paths of zeros in.
-    liked = builder_for(TreeShape("lattice-ngram", width=VOCAB, max_depth=3), rescore=lambda path, token, logq: logq + (0.0 if token == 0 else -20.0))
+    liked = builder_for(TreeShape("lattice-ngram", width=VOCAB, max_depth=3), rescore=lambda path, candidates: [logq + (0.0 if token == 0 else -20.0) for token, logq in candidates])
     assert paths(build(liked, table_expand(draft, False), 3, None)) == {(0,), (0, 0), (0, 0, 0)}
 
 

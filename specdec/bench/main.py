@@ -368,7 +368,7 @@ def run_bench(args) -> int:
             "budgets": budgets,
             "trees": {method: dataclasses.asdict(shape) for method, shape in shapes.items()},
             "prefix_cache_mib": config.verifier.prefix_cache_mib if args.address else 0,
-            "drafter_memory_across_requests": {source: runs == 1 for source, runs in runs_per_prompt.items()},
+            "drafter_memory_across_requests": "as served" if args.address else {source: runs == 1 for source, runs in runs_per_prompt.items()},
             "torch_threads": torch.get_num_threads(),
         },
         "results": results,

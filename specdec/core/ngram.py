@@ -75,6 +75,11 @@ class NgramIndex:
         last = len(self.tokens) - 1
         return [end for end in reversed(self._ends.get(pattern, ())) if end < last]
 
+    def continued_count(self, pattern: tuple[int, ...]) -> int:
+        """len(continued(pattern)), without listing them: only the last token has no follower."""
+        ends = self._ends.get(pattern, ())
+        return len(ends) - (bool(ends) and ends[-1] == len(self.tokens) - 1)
+
     def count(self, pattern: tuple[int, ...]) -> int:
         """Occurrences of `pattern` (at most max_n tokens)."""
         return len(self._ends.get(pattern, ()))
@@ -94,18 +99,19 @@ class NgramLM:
     def __init__(self, index: NgramIndex):
         self.index = index
 
-    def log_prob(self, history: list[int], token: int) -> float:
-        """log P(token | history), history's last tokens first in weight."""
-        index, total, weights = self.index, 0.0, 0.0
+    def probs(self, history: list[int], tokens: list[int]) -> list[float]:
+        """P(token | history) of each of `tokens`, history's last tokens first in weight."""
+        index, orders = self.index, []  # (weight, history of that order, times it was continued)
         for n in range(min(index.max_n - 1, len(history)) + 1):
             before = tuple(history[len(history) - n :])
-            seen = len(index.continued(before)) if n else len(index.tokens)
+            seen = index.continued_count(before) if n else len(index.tokens)
             if not seen:
                 break
-            weight = 2.0**n
-            total += weight * index.count(before + (token,)) / seen
-            weights += weight
-        return math.log(total / weights + self.FLOOR) if weights else math.log(self.FLOOR)
+            orders.append((2.0**n, before, seen))
+        weights = sum(weight for weight, _, _ in orders)
+        if not weights:
+            return [self.FLOOR] * len(tokens)
+        return [sum(weight * index.count(before + (token,)) / seen for weight, before, seen in orders) / weights + self.FLOOR for token in tokens]
 
 
 class RecentOutputs:
