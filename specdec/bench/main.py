@@ -209,7 +209,7 @@ def run_bench(args) -> int:
         report = run_rtt_sweep(args, config, prompt_ids, app_args)
         report["config"] = {
             "verifier": config.verifier.model.__dict__,
-            "prefix_cache_mib": config.verifier.prefix_cache_mib,
+            "prefix_cache_mib": 0,
             "drafter": config.drafter.model.__dict__,
             "question_ids": [p["question_id"] for p in prompts],
             "max_new_tokens": args.max_new_tokens,

@@ -55,7 +55,9 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
         for i, rtt in enumerate(rtts):
             link = {"rtt_ms": rtt, "jitter_ms": args.jitter_ms, "bandwidth_mbps": args.bandwidth_mbps}
             port = args.port + i  # the previous coordinator may still hold the last port
-            rtt_args = {**app_args, "coordinator": {"port": port, "network": {"drafter": link, "verifier": link}, "adaptive": adaptive}}
+            # No prefix cache: each policy prefills each prompt, not only the one that ran it first.
+            rtt_args = {**app_args, "coordinator": {"port": port, "network": {"drafter": link, "verifier": link}, "adaptive": adaptive},
+                        "verifier": {"prefix_cache_mib": 0}}
             address = start_stack(rtt_args, port, proxies=False) if i == 0 else deploy(rtt_args, port)
             client = CoordinatorClient(address, server_token(config))
             for temperature in temperatures:
