@@ -164,7 +164,10 @@ def decode_rounds(
         depth = min(shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
         draft = None
         if plan.budget and depth > 0 and session.can_draft and standby.ready():
-            round_shape = replace(shape, method=plan.method, max_depth=depth, ngram=plan.ngram or shape.ngram)
+            # A depth the request left open stays the tree builder's choice (a lattice drafts half
+            # its budget deep) unless the tokens left cap it.
+            round_depth = 0 if not shape.max_depth and plan.budget <= remaining - 1 else depth
+            round_shape = replace(shape, method=plan.method, max_depth=round_depth, ngram=plan.ngram or shape.ngram)
             if ahead is not None:  # its guess came true: this round's draft is ready
                 (draft, draft_call, plan), ahead = ahead, None
                 exposed_draft_ms = exposed_wire_ms = 0.0

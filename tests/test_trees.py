@@ -359,6 +359,17 @@ def test_trees_accept_more_than_a_chain_of_the_same_budget(tree_stack):
     assert max(accepted(m) for m in ("static", "dynamic", "rsd-s")) > chain
 
 
+def test_a_lattice_left_without_a_depth_drafts_half_its_budget_deep(tree_stack):
+    """Through the services a request that sets no max_depth leaves the depth to the tree
+    builder: a lattice of 8 nodes drafts a 4-deep chain, 4 drafter forwards a round instead of
+    8 (the last rounds, where fewer tokens are left than the budget, are capped by those)."""
+    for method in ("lattice", "lattice-ngram"):
+        stats = tree_stack["client"].generate(
+            generate_request(prompt_token_ids=SERVICE_PROMPTS[0], max_new_tokens=40, num_draft_tokens=8, tree=shape_to_proto(TreeShape(method)))
+        ).stats
+        assert stats.speculative_rounds and stats.draft_forward_passes < 5 * stats.speculative_rounds, method
+
+
 # static and the lattices verify point-mass children as dynamic does: their statistical runs
 # (~75 s each) are in the slow set, and their greedy exactness in the fast one.
 SAMPLED_IN_THE_SLOW_SET = ("static", "lattice", "lattice-ngram")
