@@ -198,9 +198,8 @@ class DrafterEngine:
         each steered one alone."""
         plain = [i for i, f in enumerate(forwards) if f.deltas is None]
         results: list[Any] = [None] * len(forwards)
-        if plain:
-            for i, result in zip(plain, self.engine.forward_many([forwards[i].call for i in plain])):
-                results[i] = result
+        for i, result in zip(plain, self.engine.forward_many([forwards[i].call for i in plain])):
+            results[i] = result
         for i in (i for i, f in enumerate(forwards) if f.deltas is not None):
             with self.steering.applied(forwards[i].deltas):
                 results[i] = self.engine.forward_many([forwards[i].call])[0]

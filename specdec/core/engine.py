@@ -329,7 +329,7 @@ class LlamaEngine(torch.nn.Module):
         if self.native_layers is None:
             return [self.graphs.forward(call, depths_of(call.hidden_states, len(self.layers))) if self._graphed(call) else self._torch_forward(call)
                     for call in calls]
-        return self._native_forward(calls)
+        return self._native_forward(calls) if calls else []
 
     def _graphed(self, call: ForwardCall) -> bool:
         """A prompt's prefill (torch's attention kernels, once per session) and a steered pass
