@@ -168,7 +168,9 @@ class Coordinator:
             raise invalid(str(err)) from None
         if shape.ngram == "none" and not self.pair.drafter_info.num_layers:
             raise invalid("tree.ngram none asks for a drafter model's drafts; this drafter has no model (it drafts n-grams only)")
-        adaptive = request.adaptive if request.HasField("adaptive") else self.config.adaptive.enabled
+        # A request that names its plan runs it; the others get the server's default.
+        names_plan = request.HasField("num_draft_tokens") or request.HasField("tree")
+        adaptive = request.adaptive if request.HasField("adaptive") else self.config.adaptive.enabled and not names_plan
         overlap = request.overlap if request.HasField("overlap") else self.config.overlap
         if request.HasField("steering"):
             steering = request.steering

@@ -65,10 +65,12 @@ def service_pair(drafter: str, verifier: str):
 
 
 def tiny_config(tiny_dirs, **coordinator) -> dict:
+    """Requests that name no plan run the configured one (the served default is adaptive, which
+    would leave these tests' speculation to the controller's choice)."""
     return {
         "verifier": {"model": str(tiny_dirs["verifier"]), "torch_threads": 1},
         "drafter": {"model": str(tiny_dirs["drafter"]), "torch_threads": 1},
-        "coordinator": {"num_draft_tokens": 3, **coordinator},
+        "coordinator": {"num_draft_tokens": 3, "adaptive": {"enabled": False}, **coordinator},
     }
 
 

@@ -113,7 +113,7 @@ def test_reduced_vocabulary_drafter_is_exact_in_the_services(distilled, tiny_dir
     config = {
         "verifier": {"model": str(tiny_dirs["verifier"]), "torch_threads": 1},
         "drafter": {"model": distilled["drafter_dir"], "torch_threads": 1},
-        "coordinator": {"num_draft_tokens": 3},
+        "coordinator": {"num_draft_tokens": 3, "adaptive": {"enabled": False}},
     }
     verifier = load_model(ModelSpec(str(tiny_dirs["verifier"])))
     with local_stack(config) as stack:

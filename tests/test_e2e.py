@@ -60,16 +60,21 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
     tokenizer = load_tokenizer(BUILTIN_SMOLLM2)
     with grpc.insecure_channel(ray_stack) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        for prompt in UNSEEN_PROMPTS:
-            request = coordinator_pb2.GenerateRequest(prompt=prompt, use_chat_template=True, max_new_tokens=128)
+        # The server's default (the controller picks each round's plan), then a named plan.
+        for prompt, budget in zip(UNSEEN_PROMPTS, (None, 4)):
+            request = coordinator_pb2.GenerateRequest(prompt=prompt, use_chat_template=True, max_new_tokens=128, num_draft_tokens=budget)
             parts = list(stub.GenerateStream(request, timeout=600))
             tokens = [t for p in parts for t in p.token_ids]
             assert tokens == verifier_alone(stub, chat_ids(tokenizer, prompt), 128), prompt
             stats = parts[-1].stats
-            assert stats.rounds > 0 and stats.speculation_budget > 0 and stats.bytes_sent > 0
-            # The default drafter reads the verifier's features, which cross both links every round.
-            assert stats.features and stats.feature_bytes > 0 and stats.accepted_draft_tokens > 0
+            assert stats.rounds > 0 and stats.bytes_sent > 0 and stats.features
             assert parts[-1].finish_reason in ("stop", "length")
+            if budget is None:
+                assert stats.policy == "adaptive" and sum(stats.plan_rounds.values()) == stats.rounds
+            else:
+                # The default drafter reads the verifier's features, which cross both links every round.
+                assert stats.policy == "fixed" and stats.speculation_budget == budget
+                assert stats.feature_bytes > 0 and stats.accepted_draft_tokens > 0
 
 
 @pytest.mark.e2e

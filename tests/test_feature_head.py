@@ -129,7 +129,7 @@ def _config(tiny_dirs, head_dir, **coordinator) -> dict:
     return {
         "verifier": {"model": str(tiny_dirs["verifier"]), "torch_threads": 1},
         "drafter": {"model": str(head_dir), "torch_threads": 1},
-        "coordinator": {"num_draft_tokens": 3, **coordinator},
+        "coordinator": {"num_draft_tokens": 3, "adaptive": {"enabled": False}, **coordinator},
     }
 
 

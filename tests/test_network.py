@@ -109,6 +109,8 @@ def test_sweep_policies_and_checks_compare_like_with_like():
         "chain-1", "chain-2", "chain-4", "chain-8", "chain-4+overlap", "rsd-s-16", "rsd-s-32", "fused", "adaptive", "adaptive+overlap",
     ]
     assert policies["chain-4+overlap"]["overlap"] and not policies["chain-4"]["overlap"] and policies["rsd-s-16"]["tree"].method == "rsd-s"
+    # Chains are chains whatever the config's default tree (the sweep once ran dynamic trees under their names).
+    assert policies["chain-4"]["tree"].method == policies["chain-4+overlap"]["tree"].method == "chain"
     assert policies["fused"]["num_draft_tokens"] == 0 and policies["adaptive+overlap"] == {"adaptive": True, "overlap": True}
 
     speeds = {"chain-4": 5.0, "chain-4+overlap": 6.0, "rsd-s-16": 4.0, "fused": 10.0, "adaptive": 9.6, "adaptive+overlap": 9.0}

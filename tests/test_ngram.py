@@ -184,7 +184,7 @@ def test_a_model_free_drafter_runs_inside_the_coordinator(tiny_dirs, tiny_verifi
     import coordinator.server
     import verifier_service.server
 
-    config = config_from_dict({**ngram_config(tiny_dirs, "suffix"), "coordinator": {"port": 0, "drafter_in_process": True, "num_draft_tokens": 4}})
+    config = config_from_dict({**ngram_config(tiny_dirs, "suffix"), "coordinator": {"port": 0, "drafter_in_process": True, "num_draft_tokens": 4, "adaptive": {"enabled": False}}})
     v_server, v_port = verifier_service.server.start(config.verifier)
     c_server, c_port, coord = coordinator.server.start(config, None, f"localhost:{v_port}")
     try:

@@ -52,6 +52,24 @@ def test_text_prompt_chat_template_and_stats(client, tiny_stack, tiny_verifier):
     assert stats.accepted_draft_tokens <= stats.drafted_tokens
 
 
+def test_the_controller_picks_the_plan_unless_the_request_names_one(tiny_dirs):
+    """Adaptive is the served default (the verifier alone wherever speculation does not pay); a
+    request that names its budget or tree runs that plan, and one that says adaptive gets it anyway."""
+    from specdec.serving.config import Config
+
+    assert Config().coordinator.adaptive.enabled
+    config = tiny_config(tiny_dirs, adaptive={"enabled": True})
+    named = (
+        {}, {"num_draft_tokens": 2}, {"tree": common_pb2.TreeShape(method="chain")}, {"num_draft_tokens": 0},
+        {"num_draft_tokens": 2, "adaptive": True}, {"adaptive": False},
+    )
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        policies = [client.generate(generate_request(prompt_token_ids=[3, 4, 5], max_new_tokens=8, **fields)).stats.policy for fields in named]
+        client.close()
+    assert policies == ["adaptive", "fixed", "fixed", "fixed", "adaptive", "fixed"]
+
+
 def test_stream_concatenates_to_the_unary_answer(client):
     request = generate_request("w3 w9", max_new_tokens=30, num_draft_tokens=2)
     parts = list(client.stream(request))

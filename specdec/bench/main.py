@@ -57,6 +57,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "with an n-gram second stage); NAME:unsteered runs a steered drafter "
         "without its steering. With an n-gram drafter the run adds an `hf_prompt_lookup` row",
     )
+    parser.add_argument(
+        "--adaptive", action="store_true",
+        help="add an `adaptive` row: the cost-model controller picks each round's plan (after one untimed warm-up request in which it measures every plan)",
+    )
     parser.add_argument("--hf-assistant", help="the drafter of `hf_assisted` (default: the config's drafter, or the built-in distilled drafter where that one is a feature head)")
     add_tree_arguments(parser, with_method=False)
     parser.add_argument("--seed", type=int, default=0)
@@ -100,6 +104,7 @@ class Tally:
     total_ms: float = 0.0
     rounds: int = 0
     bytes_per_round: list[float] = field(default_factory=list)
+    plan_rounds: dict[str, int] = field(default_factory=dict)  # rounds per plan (the adaptive row's choices)
     outputs: list[list[int]] = field(default_factory=list)
 
     def add(self, token_ids: list[int], seconds: float) -> None:
@@ -118,6 +123,8 @@ class Tally:
         self.wire_ms += stats.wire_serialization_ms
         self.total_ms += stats.total_ms
         self.bytes_per_round.append(stats.bytes_per_round)
+        for plan, rounds in stats.plan_rounds.items():
+            self.plan_rounds[plan] = self.plan_rounds.get(plan, 0) + rounds
 
     @property
     def tokens_per_second(self) -> float:
@@ -227,7 +234,7 @@ def run_bench(args) -> int:
         raise SystemExit("--drafters with several drafters starts its own stacks; leave out --address")
     # How often each stack's drafter sees a prompt (the first stack also serves the verifier alone).
     runs_per_prompt = {
-        source: len(temperatures) * (len(trees) * len(budgets) * sum(e.split(":")[0] == source for e in entries) + (source == sources[0]))
+        source: len(temperatures) * (len(trees) * len(budgets) * sum(e.split(":")[0] == source for e in entries) + (source == sources[0]) * (1 + args.adaptive))
         for source in sources
     }
     clients = {}
@@ -248,15 +255,19 @@ def run_bench(args) -> int:
     served = config.verifier.model
     verifier_fp32 = verifier if served.dtype == "float32" else load_model(dataclasses.replace(served, dtype="float32"))
 
-    def through_services(i: int, budget: int, temperature: float, shape: TreeShape | None = None, entry: str | None = None):
+    def through_services(
+        i: int, budget: int | None, temperature: float, shape: TreeShape | None = None, entry: str | None = None, adaptive: bool = False,
+        max_new_tokens: int = args.max_new_tokens,
+    ):
         source, _, option = (entry or sources[0]).partition(":")
         request = generate_request(
             prompt_token_ids=prompt_ids[i],
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             temperature=temperature,
             seed=args.seed + i,
             num_draft_tokens=budget,
             tree=shape_to_proto(shape) if shape else None,
+            adaptive=adaptive,
             **({"steering": False} if option == "unsteered" else {}),
         )
         start = time.perf_counter()
@@ -291,6 +302,8 @@ def run_bench(args) -> int:
         for tree in trees
         for b in budgets
     ]
+    if args.adaptive:
+        methods.append(("adaptive", "adaptive", sources[0], None, None, lambda i, t: through_services(i, None, t, adaptive=True)))
     if any(is_model_free(s) or s == "hybrid" for s in sources):
         methods.append(("hf_prompt_lookup", "hf_prompt_lookup", None, None, None, lambda i, t: in_process(i, verifier, False, t, prompt_lookup=True)))
     methods += [
@@ -303,6 +316,8 @@ def run_bench(args) -> int:
         for temperature in temperatures:
             for warm in clients.values():
                 warm.generate(generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature))
+            if args.adaptive:  # untimed, as in the RTT sweep: the controller measures every plan first
+                through_services(len(prompt_ids) - 1, None, temperature, adaptive=True, max_new_tokens=4 * args.max_new_tokens)
             tallies = {name: Tally() for name, *_ in methods}
             # Interleaved: every prompt visits every method in turn, so drift hits all alike.
             for i in tqdm(range(len(prompt_ids)), desc=f"T={temperature}", unit="prompt"):
@@ -332,6 +347,7 @@ def run_bench(args) -> int:
                     "vs_hf_generate_fp32": tally.ratio_to(tallies["hf_generate_fp32"]),
                     "wire_share": tally.wire_ms / tally.total_ms if tally.total_ms else None,
                     "bytes_per_round": sum(tally.bytes_per_round) / len(tally.bytes_per_round) if tally.bytes_per_round else None,
+                    "plan_rounds": tally.plan_rounds or None,
                     "generated_tokens": sum(tally.tokens),
                     "seconds": sum(tally.seconds),
                     "tokens_per_prompt": tally.tokens,

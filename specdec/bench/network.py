@@ -25,8 +25,9 @@ def sweep_policies(chains: list[int], trees: list[int], tree_method: str, overla
     """(policy name, GenerateRequest fields) for every policy of the sweep."""
     from specdec.v1 import common_pb2
 
-    policies = [(f"chain-{b}", {"num_draft_tokens": b, "adaptive": False, "overlap": False}) for b in chains]
-    policies += [(f"chain-{b}+overlap", {"num_draft_tokens": b, "adaptive": False, "overlap": True}) for b in overlap_chains]
+    chain = common_pb2.TreeShape(method="chain")  # not the config's tree, which may be another method
+    policies = [(f"chain-{b}", {"num_draft_tokens": b, "tree": chain, "adaptive": False, "overlap": False}) for b in chains]
+    policies += [(f"chain-{b}+overlap", {"num_draft_tokens": b, "tree": chain, "adaptive": False, "overlap": True}) for b in overlap_chains]
     policies += [
         (f"{tree_method}-{b}", {"num_draft_tokens": b, "tree": common_pb2.TreeShape(method=tree_method), "adaptive": False, "overlap": False})
         for b in trees
