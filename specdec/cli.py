@@ -27,8 +27,10 @@ def _app_args(args) -> dict:
     tree = tree_overrides(args)
     if tree:
         app_args["coordinator"]["tree"] = tree
-    if args.adaptive is not None:
-        app_args["coordinator"]["adaptive"] = {"enabled": args.adaptive}
+    # A server told its plan runs it, as a request that names one does (unless --adaptive).
+    adaptive = args.adaptive if args.adaptive is not None else (False if args.num_draft_tokens is not None or tree else None)
+    if adaptive is not None:
+        app_args["coordinator"]["adaptive"] = {"enabled": adaptive}
     if args.overlap is not None:
         app_args["coordinator"]["overlap"] = args.overlap
     if args.steering is not None:
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--grpc-proxy-port", type=int, default=9000, help="the Coordinator API through Serve's gRPC proxy (default 9000)")
     serve.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     serve.add_argument("--demo", nargs="?", const=DEFAULT_PROMPT, help="once serving, stream one answer to this prompt")
-    serve.add_argument("--num-draft-tokens", type=int, help="default draft tree nodes per round (0 = verifier only)")
+    serve.add_argument("--num-draft-tokens", type=int, help="default draft tree nodes per round (0 = verifier only); with it or --tree, requests that name no plan run this one instead of the adaptive controller's (unless --adaptive)")
     add_tree_arguments(serve)
     add_policy_arguments(serve)
     add_serve_steering_arguments(serve)

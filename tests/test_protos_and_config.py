@@ -106,3 +106,7 @@ def test_serve_flags_become_coordinator_settings():
     assert coordinator.adaptive.enabled is True and coordinator.overlap is False and coordinator.steering is True
     config = config_from_dict(_app_args(parser.parse_args(["--port", "5", "--no-steering", "--steering-checkpoint", "ckpt"])))
     assert config.coordinator.steering is False and config.resolved_steering_checkpoint() == "ckpt"
+    assert config.coordinator.adaptive.enabled  # the default: the controller picks the plan
+    # A server told its plan runs it for requests that name none.
+    for flags in (["--num-draft-tokens", "8"], ["--tree", "chain"]):
+        assert config_from_dict(_app_args(parser.parse_args(["--port", "5", *flags]))).coordinator.adaptive.enabled is False

@@ -70,7 +70,7 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
                         client.generate(request(len(chat_ids), chat_ids[-1], fields, 4 * args.max_new_tokens))
                 measured = {name: {"tokens": 0, "seconds": 0.0, "stats": []} for name, _ in policies}
                 for j, ids in enumerate(tqdm(chat_ids, desc=f"RTT {rtt:g} ms, T={temperature:g}", unit="prompt")):
-                    for name, fields in policies:
+                    for name, fields in policies[j % len(policies) :] + policies[: j % len(policies)]:  # the order rotates, as in the method comparison
                         start = time.perf_counter()
                         response = client.generate(request(j, ids, fields))
                         measured[name]["seconds"] += time.perf_counter() - start
