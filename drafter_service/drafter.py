@@ -263,7 +263,10 @@ class DrafterEngine:
                 session.lesson = None
             start, forwards = time.perf_counter(), session.forward_passes
             context = session.tokens + list(assumed)
-            tree, steering_ms, confidence = yield from self._draft_after(session, context, shape, num_tokens, bool(assumed), pick_excludes, steering)
+            # An overlapped draft picks the next token itself, also where the guess assumes none
+            # were accepted (no assumed tokens; the rejected ones excluded from the pick).
+            pick = bool(assumed) or bool(pick_excludes)
+            tree, steering_ms, confidence = yield from self._draft_after(session, context, shape, num_tokens, pick, pick_excludes, steering)
             draft = Draft(
                 tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards, confidence
             )

@@ -89,6 +89,31 @@ def test_sampling_with_overlap_follows_the_verifier_distribution(tiny_dirs, tiny
     assert_matches_distribution(counts, exact)
 
 
+def test_a_guess_that_nothing_is_accepted_gets_the_drafters_other_pick(overlap_stack):
+    """The likeliest guess of a weak drafter: the verifier keeps none of the draft. The drafter
+    then drafts after its likeliest token other than the rejected ones (until session 23 it
+    ignored the exclusions when no token was assumed, and such guesses could never come true)."""
+    from specdec.serving.rpc import MeasuredClient
+    from specdec.serving.wire import DRAFTER_SERVICE
+    from specdec.v1 import common_pb2, drafter_pb2
+
+    drafter = MeasuredClient(overlap_stack["drafter"], DRAFTER_SERVICE)
+    chain = common_pb2.TreeShape(method="chain")
+
+    def draft(session_id: str, context: list[int], **fields) -> drafter_pb2.DraftResponse:
+        start = common_pb2.SessionStart(context_token_ids=context, sampling=common_pb2.SamplingParams())
+        request = drafter_pb2.DraftRequest(session_id=session_id, start=start, committed_length=len(context), num_draft_tokens=3, tree_shape=chain, **fields)
+        return drafter.call("Draft", request, drafter_pb2.DraftResponse)[0]
+
+    context = [1, 4, 5]
+    first = draft("plain", context).tree.token_ids[0]
+    guessed = draft("guess", context, pick_excludes=[first])
+    (pick,) = guessed.assumed_token_ids
+    assert pick != first
+    assert list(guessed.tree.token_ids) == list(draft("after-pick", context + [pick]).tree.token_ids)
+    drafter.close()
+
+
 def test_the_overlap_guess_follows_the_likeliest_outcome_rejections_included():
     from collections import Counter
 
