@@ -110,3 +110,14 @@ def test_serve_flags_become_coordinator_settings():
     # A server told its plan runs it for requests that name none.
     for flags in (["--num-draft-tokens", "8"], ["--tree", "chain"]):
         assert config_from_dict(_app_args(parser.parse_args(["--port", "5", *flags]))).coordinator.adaptive.enabled is False
+
+
+def test_printed_stats_give_an_adaptive_request_its_mean_budget():
+    """A fixed plan's budget is the request's; an adaptive request's changes by the round."""
+    from specdec.serving.client import format_stats
+    from specdec.v1 import coordinator_pb2
+
+    stats = coordinator_pb2.RoundStats(policy="adaptive", mean_budget=1.25, speculation_budget=4, rounds=8, plan_rounds={"fused": 6, "chain-4": 2})
+    assert "8 rounds, mean budget 1.2," in format_stats(stats) and "rounds per plan: chain-4 2, fused 6" in format_stats(stats)
+    stats.policy = "fixed"
+    assert "8 rounds, budget 4," in format_stats(stats)

@@ -45,8 +45,9 @@ class CoordinatorClient:
 def format_stats(stats: coordinator_pb2.RoundStats) -> str:
     return (
         f"{stats.generated_tokens} tokens in {stats.total_ms / 1e3:.2f} s ({stats.tokens_per_second:.1f} tok/s), "
-        f"{stats.rounds} rounds, budget {stats.speculation_budget}, "
-        f"{stats.mean_accepted_per_round:.2f} accepted drafts/round\n"
+        f"{stats.rounds} rounds, "
+        + (f"mean budget {stats.mean_budget:.1f}, " if stats.policy == "adaptive" else f"budget {stats.speculation_budget}, ")
+        + f"{stats.mean_accepted_per_round:.2f} accepted drafts/round\n"
         f"draft {stats.draft_compute_ms:.0f} ms, verify {stats.verify_compute_ms:.0f} ms, "
         f"wire+serialization {stats.wire_serialization_ms:.0f} ms (serialization {stats.serialization_ms:.1f} ms), "
         f"sent {stats.bytes_sent} B, received {stats.bytes_received} B\n"
