@@ -319,10 +319,8 @@ def run_bench(args) -> int:
             if args.adaptive:  # untimed, as in the RTT sweep: the controller measures every plan first
                 through_services(len(prompt_ids) - 1, None, temperature, adaptive=True, max_new_tokens=4 * args.max_new_tokens)
             tallies = {name: Tally() for name, *_ in methods}
-            # Interleaved: every prompt visits every method in turn, so drift hits all alike; the
-            # turn order rotates from prompt to prompt, so no method always follows the same one
-            # (in a fixed order the adaptive row, running the verifier alone's very rounds right
-            # after the speculative rows, measured 1.09x [1.01, 1.19] of it).
+            # Interleaved: every prompt visits every method in turn, so drift hits all alike, in an
+            # order that rotates from prompt to prompt: a fixed one gave a row 1.09x over identical rounds.
             for i in tqdm(range(len(prompt_ids)), desc=f"T={temperature}", unit="prompt"):
                 for name, *_, runner in methods[i % len(methods) :] + methods[: i % len(methods)]:
                     answer, seconds = runner(i, temperature)
