@@ -27,10 +27,10 @@ def _app_args(args) -> dict:
     tree = tree_overrides(args)
     if tree:
         app_args["coordinator"]["tree"] = tree
-    # A server told its plan runs it, as a request that names one does (unless --adaptive).
-    adaptive = args.adaptive if args.adaptive is not None else (False if args.num_draft_tokens is not None or tree else None)
-    if adaptive is not None:
-        app_args["coordinator"]["adaptive"] = {"enabled": adaptive}
+    if args.adaptive is not None:
+        app_args["coordinator"]["adaptive"] = {"enabled": args.adaptive}
+    elif args.num_draft_tokens is not None or tree:  # a server told its plan runs it, as a request that names one does
+        app_args["coordinator"]["adaptive"] = {"enabled": False}
     if args.overlap is not None:
         app_args["coordinator"]["overlap"] = args.overlap
     if args.steering is not None:

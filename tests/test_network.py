@@ -164,3 +164,15 @@ def test_concurrency_turns_let_each_policy_follow_every_other_alike():
     assert all(a != b for a, b in follows)  # no policy runs twice in a row
     after_fixed = Counter(b for a, b in zip(order, order[1:]) if a == "fixed")
     assert abs(after_fixed["adaptive"] - after_fixed["alone"]) <= 1  # a rotation: 5 to 0
+
+
+def test_methods_take_every_place_in_the_turn_order_alike():
+    from collections import Counter
+
+    from specdec.bench.stats import turn_order
+
+    methods = ["alone", "dynamic-4", "adaptive", "hf"]
+    orders = [turn_order(methods, i) for i in range(8)]
+    assert all(sorted(order) == sorted(methods) for order in orders)
+    places = Counter((place, method) for order in orders for place, method in enumerate(order))
+    assert set(places.values()) == {2}  # 8 prompts: each method twice in each of the 4 places

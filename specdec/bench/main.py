@@ -15,13 +15,14 @@ import dataclasses
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specdec.bench.stats import paired_ratio_interval
+from specdec.bench.stats import paired_ratio_interval, turn_order
 from specdec.core.ngram import is_model_free
 from specdec.core.prompts import (
     PACKAGED_PROMPTS,
@@ -104,7 +105,7 @@ class Tally:
     total_ms: float = 0.0
     rounds: int = 0
     bytes_per_round: list[float] = field(default_factory=list)
-    plan_rounds: dict[str, int] = field(default_factory=dict)  # rounds per plan (the adaptive row's choices)
+    plan_rounds: Counter = field(default_factory=Counter)  # rounds per plan (the adaptive row's choices)
     outputs: list[list[int]] = field(default_factory=list)
 
     def add(self, token_ids: list[int], seconds: float) -> None:
@@ -123,8 +124,7 @@ class Tally:
         self.wire_ms += stats.wire_serialization_ms
         self.total_ms += stats.total_ms
         self.bytes_per_round.append(stats.bytes_per_round)
-        for plan, rounds in stats.plan_rounds.items():
-            self.plan_rounds[plan] = self.plan_rounds.get(plan, 0) + rounds
+        self.plan_rounds.update(stats.plan_rounds)
 
     @property
     def tokens_per_second(self) -> float:
@@ -319,10 +319,9 @@ def run_bench(args) -> int:
             if args.adaptive:  # untimed, as in the RTT sweep: the controller measures every plan first
                 through_services(len(prompt_ids) - 1, None, temperature, adaptive=True, max_new_tokens=4 * args.max_new_tokens)
             tallies = {name: Tally() for name, *_ in methods}
-            # Interleaved: every prompt visits every method in turn, so drift hits all alike, in an
-            # order that rotates from prompt to prompt: a fixed one gave a row 1.09x over identical rounds.
+            # Interleaved: every prompt visits every method in turn, so drift hits all alike.
             for i in tqdm(range(len(prompt_ids)), desc=f"T={temperature}", unit="prompt"):
-                for name, *_, runner in methods[i % len(methods) :] + methods[: i % len(methods)]:
+                for name, *_, runner in turn_order(methods, i):
                     answer, seconds = runner(i, temperature)
                     if isinstance(answer, list):
                         tallies[name].add(answer, seconds)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specdec.bench.stats import turn_order
+
 
 def sweep_policies(chains: list[int], trees: list[int], tree_method: str, overlap_chains: list[int] = ()) -> list[tuple[str, dict]]:
     """(policy name, GenerateRequest fields) for every policy of the sweep."""
@@ -70,7 +72,7 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
                         client.generate(request(len(chat_ids), chat_ids[-1], fields, 4 * args.max_new_tokens))
                 measured = {name: {"tokens": 0, "seconds": 0.0, "stats": []} for name, _ in policies}
                 for j, ids in enumerate(tqdm(chat_ids, desc=f"RTT {rtt:g} ms, T={temperature:g}", unit="prompt")):
-                    for name, fields in policies[j % len(policies) :] + policies[: j % len(policies)]:  # the order rotates, as in the method comparison
+                    for name, fields in turn_order(policies, j):
                         start = time.perf_counter()
                         response = client.generate(request(j, ids, fields))
                         measured[name]["seconds"] += time.perf_counter() - start

@@ -99,8 +99,7 @@ class AdaptiveConfig:
     """The cost-model budget controller (coordinator/budget.py)."""
 
     # The default for requests that neither say nor name a plan (num_draft_tokens or tree): the
-    # controller runs the verifier alone wherever speculation does not pay, as on 2 CPU cores
-    # with the default pair (fixed dynamic-4 0.84x of it, adaptive 0.97-1.03x; docs/network.md).
+    # controller runs the verifier alone wherever speculation does not pay (docs/network.md).
     enabled: bool = True
     chain_budgets: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     tree_budgets: list[int] = field(default_factory=lambda: [16, 32])
