@@ -97,12 +97,27 @@ inline __m256 load8(__m256i inside, const float* p) { return _mm256_maskload_ps(
 inline __m256 load8(__m256i inside, const c10::Half* p) { return _mm256_and_ps(load8(p), _mm256_castsi256_ps(inside)); }
 #endif
 
+// n values as the cache keeps them: float16 saturated at +-65504 (no key or value becomes
+// infinite) and rounded to nearest even, the rounding of c10::Half's conversion and of F16C's.
 template <typename T>
-T to_cache(float value) {
+void to_cache(const float* from, int64_t n, T* out) {
   if constexpr (std::is_same_v<T, float>) {
-    return value;
+    std::memcpy(out, from, n * sizeof(float));
   } else {
-    return T(std::min(std::max(value, -65504.f), 65504.f));  // saturate: no key or value becomes infinite
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    // max(limit, v) and min(limit, v) return v where v is NaN, as std::max/min below do
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_min_ps(_mm512_set1_ps(65504.f), _mm512_max_ps(_mm512_set1_ps(-65504.f), _mm512_loadu_ps(from + i)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_min_ps(_mm256_set1_ps(65504.f), _mm256_max_ps(_mm256_set1_ps(-65504.f), _mm256_loadu_ps(from + i)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; i < n; ++i) out[i] = T(std::min(std::max(from[i], -65504.f), 65504.f));
   }
 }
 
@@ -824,13 +839,31 @@ void rms_norm(const float* x, const float* weight, float eps, int64_t h, float* 
   for (int64_t i = 0; i < h; ++i) out[i] = weight[i] * (x[i] * inverse);
 }
 
-// x * cos + rotate_half(x) * sin for one head's row, as transformers' apply_rotary_pos_emb.
+// x * cos + rotate_half(x) * sin for one head's row, as transformers' apply_rotary_pos_emb:
+// element i is x[i] * cos[i] + r[i] * sin[i], two products and a sum, in any vector width.
 void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
   const int64_t half = dim / 2;
-  float rotated[512];
-  for (int64_t i = 0; i < half; ++i) rotated[i] = -x[i + half];
-  for (int64_t i = half; i < dim; ++i) rotated[i] = x[i - half];
-  for (int64_t i = 0; i < dim; ++i) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (; i + 16 <= half; i += 16) {
+    const __m512 low = _mm512_loadu_ps(x + i), high = _mm512_loadu_ps(x + half + i);
+    _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_mul_ps(low, _mm512_loadu_ps(cos + i)), _mm512_mul_ps(_mm512_xor_ps(high, sign), _mm512_loadu_ps(sin + i))));
+    _mm512_storeu_ps(x + half + i, _mm512_add_ps(_mm512_mul_ps(high, _mm512_loadu_ps(cos + half + i)), _mm512_mul_ps(low, _mm512_loadu_ps(sin + half + i))));
+  }
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= half; i += 8) {
+    const __m256 low = _mm256_loadu_ps(x + i), high = _mm256_loadu_ps(x + half + i);
+    _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_mul_ps(low, _mm256_loadu_ps(cos + i)), _mm256_mul_ps(_mm256_xor_ps(high, sign), _mm256_loadu_ps(sin + i))));
+    _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(high, _mm256_loadu_ps(cos + half + i)), _mm256_mul_ps(low, _mm256_loadu_ps(sin + half + i))));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float low = x[i], high = x[half + i];
+    x[i] = low * cos[i] + (-high) * sin[i];
+    x[half + i] = high * cos[half + i] + low * sin[half + i];
+  }
 }
 
 // silu(gate) * (up + delta) = gate / (1 + exp(-gate)) * (up + delta), elementwise.
@@ -863,6 +896,10 @@ void swiglu(const float* gate, const float* up, const float* delta, int64_t n, f
 #endif
 }
 
+// Rows rotated and written to the caches per thread: one row is ~0.3 us of work, so a region
+// (a few us) pays only for several.
+constexpr int64_t kRotaryGrain = 8;
+
 // The attention block of int8_decoder_layer after q|k|v (`projected`, rows `width` wide): rotary on
 // q and k, k and v written to each segment's cache, then every segment's attention into `attended`.
 template <typename T>
@@ -871,14 +908,15 @@ void rotate_store_attend(float* projected, int64_t width, const torch::Tensor& c
                          const std::vector<int64_t>& counts, const std::vector<torch::Tensor>& masks, int64_t heads, float* q, float* attended) {
   const int64_t kv_heads = keys[0].size(0), dim = keys[0].size(1), segments = keys.size();
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-  std::vector<AttentionSegment<T>> attention;
-  std::vector<torch::Tensor> mask_holders(segments);
-  int64_t first = 0;  // the segment's first row
-  for (int64_t i = 0; i < segments; first += counts[i], ++i) {
-    T* kp = keys[i].data_ptr<T>();
-    T* vp = values[i].data_ptr<T>();
-    const int64_t capacity = keys[i].size(2), start = starts[i], length = start + counts[i];
-    for (int64_t r = first; r < first + counts[i]; ++r) {
+  std::vector<int64_t> firsts(segments + 1, 0);  // segment i's rows are [firsts[i], firsts[i + 1])
+  for (int64_t i = 0; i < segments; ++i) firsts[i + 1] = firsts[i] + counts[i];
+  const int64_t t = firsts[segments];
+  // Each row's keys in the cache's type, [t][kv_size], before they go to the transposed cache.
+  thread_local std::vector<T> converted_keys;
+  T* converted = at_least(converted_keys, t * kv_size);
+  at::parallel_for(0, t, kRotaryGrain, [&](int64_t first_row, int64_t last_row) {
+    for (int64_t r = first_row, i = std::upper_bound(firsts.begin(), firsts.end(), first_row) - firsts.begin() - 1; r < last_row; ++r) {
+      while (r >= firsts[i + 1]) ++i;
       float* row = projected + r * width;
       const float* c = cos.data_ptr<float>() + r * dim;
       const float* sn = sin.data_ptr<float>() + r * dim;
@@ -886,18 +924,29 @@ void rotate_store_attend(float* projected, int64_t width, const torch::Tensor& c
         rotate(row + head * dim, c, sn, dim);
         std::memcpy(q + (r * heads + head) * dim, row + head * dim, dim * sizeof(float));
       }
-      const int64_t position = start + r - first;
+      const int64_t capacity = keys[i].size(2), position = starts[i] + r - firsts[i];
+      T* vp = values[i].data_ptr<T>();
       for (int64_t head = 0; head < kv_heads; ++head) {
         float* key = row + q_size + head * dim;
-        const float* value = row + q_size + kv_size + head * dim;
         rotate(key, c, sn, dim);
-        for (int64_t d = 0; d < dim; ++d) kp[(head * dim + d) * capacity + position] = to_cache<T>(key[d]);
-        for (int64_t d = 0; d < dim; ++d) vp[(head * capacity + position) * dim + d] = to_cache<T>(value[d]);
+        to_cache(key, dim, converted + r * kv_size + head * dim);
+        to_cache(row + q_size + kv_size + head * dim, dim, vp + (head * capacity + position) * dim);
       }
     }
+  });
+  std::vector<AttentionSegment<T>> attention;
+  std::vector<torch::Tensor> mask_holders(segments);
+  for (int64_t i = 0; i < segments; ++i) {
+    T* kp = keys[i].data_ptr<T>();
+    T* vp = values[i].data_ptr<T>();
+    const int64_t capacity = keys[i].size(2), start = starts[i], length = start + counts[i];
+    // Keys are [kv_heads][d][capacity]: one (head, d) row at a time, the new positions side by
+    // side (row by row, each key touched dim lines of the cache, each a miss).
+    for (int64_t hd = 0; hd < kv_size; ++hd)
+      for (int64_t r = firsts[i]; r < firsts[i + 1]; ++r) kp[hd * capacity + start + r - firsts[i]] = converted[r * kv_size + hd];
     const c10::optional<torch::Tensor> mask = masks[i].numel() ? c10::optional<torch::Tensor>(masks[i]) : c10::nullopt;
-    attention.push_back({q + first * q_size, counts[i], kp, vp, capacity, length, start,
-                         mask_rows(mask, counts[i], length, mask_holders[i]), attended + first * q_size});
+    attention.push_back({q + firsts[i] * q_size, counts[i], kp, vp, capacity, length, start,
+                         mask_rows(mask, counts[i], length, mask_holders[i]), attended + firsts[i] * q_size});
   }
   attend(attention, heads, dim, kv_heads);
 }
