@@ -40,7 +40,7 @@ def test_blocks_match_the_longest_cached_prefix_and_copy_rows_exactly():
     (loaded,) = prefix.load(prefix.match(tokens), target)
     end = 2 * BLOCK_TOKENS
     assert target.length == end
-    assert torch.equal(target.keys[..., :end], source.keys[..., :end]) and torch.equal(target.values[:, :, :end], source.values[:, :, :end])
+    assert torch.equal(target.rows(0, end)[0], source.rows(0, end)[0]) and torch.equal(target.values[:, :, :end], source.values[:, :, :end])
     assert torch.equal(loaded, states[0][:end])
 
 
@@ -62,7 +62,7 @@ def rounds(engine: VerifierEngine, tag: str, keep_features: bool) -> list:
         fused = engine.verify(session, 1, DraftTree([], []), 3, features=keep_features)
         tree = engine.verify(session, 2, DraftTree([4, 6, 8], [-1, -1, 0]), 0, features=keep_features)
         cache = session.cache
-        results.append((fused, tree, cache.keys[..., : cache.length].clone(), cache.values[:, :, : cache.length].clone()))
+        results.append((fused, tree, *cache.rows(0, cache.length)))
     return results
 
 

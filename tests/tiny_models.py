@@ -28,20 +28,20 @@ def build_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
 
 
 def build_model_dir(
-    path: Path, seed: int, layers: int = 2, init_range: float = 0.4, words: list[str] = WORDS, arch: str = "llama"
+    path: Path, seed: int, layers: int = 2, init_range: float = 0.4, words: list[str] = WORDS, arch: str = "llama", width: int = 32
 ) -> Path:
-    """A 2-layer model (Llama, Qwen2 or GPT-2) over the tiny vocabulary. A wide init range
-    makes its next-token distributions peaked, like a real model's, so acceptance is
-    neither 0 nor 1."""
+    """A 2-layer model (Llama, Qwen2 or GPT-2) over the tiny vocabulary, `width` wide in 4
+    heads. A wide init range makes its next-token distributions peaked, like a real model's,
+    so acceptance is neither 0 nor 1."""
     torch.manual_seed(seed)
     special = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "tie_word_embeddings": True, "initializer_range": init_range}
     if arch == "gpt2":
-        config = GPT2Config(vocab_size=len(words), n_embd=32, n_layer=layers, n_head=4, n_positions=128, **special)
+        config = GPT2Config(vocab_size=len(words), n_embd=width, n_layer=layers, n_head=4, n_positions=128, **special)
     else:
         config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](
             vocab_size=len(words),
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=width,
+            intermediate_size=2 * width,
             num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,

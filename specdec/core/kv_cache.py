@@ -32,12 +32,18 @@ class KVCache:
     """Keys and values of the tokens a session has fed, preallocated and grown by doubling,
     so a forward writes its new tokens in place instead of concatenating the whole cache.
     Values are [layers, kv_heads, capacity, head_dim]; keys the same, or with `transposed_keys`
-    [layers, kv_heads, head_dim, capacity], the layout the native attention kernel reads."""
+    the layouts the native attention kernel reads: [layers, kv_heads, head_dim, capacity], and
+    in bfloat16 pairs of channels, [layers, kv_heads, head_dim / 2, capacity, 2]."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256,
                  transposed_keys: bool = False):
         self.values = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.keys = self.values.transpose(2, 3).contiguous() if transposed_keys else torch.empty_like(self.values)
+        if not transposed_keys:
+            self.keys = torch.empty_like(self.values)
+        elif dtype == torch.bfloat16:
+            self.keys = torch.empty(num_layers, num_kv_heads, head_dim // 2, capacity, 2, dtype=dtype, device=device)
+        else:
+            self.keys = torch.empty(num_layers, num_kv_heads, head_dim, capacity, dtype=dtype, device=device)
         self.transposed_keys = transposed_keys
         self.length = 0
         self._by_layer = None

@@ -97,6 +97,17 @@ inline __m256 load8(__m256i inside, const float* p) { return _mm256_maskload_ps(
 inline __m256 load8(__m256i inside, const c10::Half* p) { return _mm256_and_ps(load8(p), _mm256_castsi256_ps(inside)); }
 #endif
 
+#if defined(__AVX512BF16__)
+// bfloat16 caches: attention multiplies pairs of bfloat16 (vdpbf16ps, two products a lane, sums
+// in float32), twice the arithmetic of float32 FMAs per instruction. Keys are kept as pairs of
+// channels ([KV][d/2][capacity][2]: one 32-bit lane per key holds channels 2p and 2p+1), values
+// as rows ([KV][capacity][d]).
+constexpr bool kBfloat16Cache = true;
+#else
+constexpr bool kBfloat16Cache = false;
+#endif
+using Bfloat16 = c10::BFloat16;
+
 // n values as the cache keeps them: float16 saturated at +-65504 (no key or value becomes
 // infinite) and rounded to nearest even, the rounding of c10::Half's conversion and of F16C's.
 template <typename T>
@@ -119,6 +130,18 @@ void to_cache(const float* from, int64_t n, T* out) {
 #endif
     for (; i < n; ++i) out[i] = T(std::min(std::max(from[i], -65504.f), 65504.f));
   }
+}
+
+// n floats to bfloat16, rounded to nearest even (vcvtneps2bf16; the tail, and n below 16, by
+// c10's conversion, which rounds normal numbers alike). Which of the two converts an element
+// depends on its index alone.
+template <>
+void to_cache<Bfloat16>(const float* from, int64_t n, Bfloat16* out) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(from + i)));
+#endif
+  for (; i < n; ++i) out[i] = Bfloat16(from[i]);
 }
 
 // Weights int8 [N, K] -> [N/16, K/4, 16, 4]: each 64-byte step holds four consecutive inputs
@@ -559,6 +582,99 @@ void scores_of(const float* q, int64_t q_stride, const T* keys_t, int64_t stride
 #endif
 }
 
+#if defined(__AVX512BF16__)
+// scores_of for a bfloat16 cache: G query heads as pairs of channels (q[p * q_stride + g], a
+// 32-bit word holding channels 2p and 2p + 1) against keys [d/2][stride][2]. Each lane is one
+// key's sum over the pairs in order, so a score depends on its query and key alone.
+template <int G>
+void scores_bf16(const uint32_t* q, int64_t q_stride, const Bfloat16* keys, int64_t stride, int64_t dim, int64_t needed, float scale,
+                 float* scores, int64_t score_stride) {
+  constexpr int kKeyBlocks = G <= 6 ? 4 : G <= 8 ? 3 : 2;  // G * kKeyBlocks <= 24 accumulators
+  const __m512 scaling = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < needed; j += 16 * kKeyBlocks) {
+    __m512 acc[G][kKeyBlocks];
+    __mmask16 inside[kKeyBlocks];
+#pragma GCC unroll 4
+    for (int b = 0; b < kKeyBlocks; ++b) inside[b] = lanes_of(needed - j - 16 * b);
+#pragma GCC unroll 12
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int b = 0; b < kKeyBlocks; ++b) acc[g][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < dim / 2; ++p) {
+      const Bfloat16* row = keys + (p * stride + j) * 2;
+      __m512bh k[kKeyBlocks];
+#pragma GCC unroll 4
+      for (int b = 0; b < kKeyBlocks; ++b) k[b] = (__m512bh)_mm512_maskz_loadu_epi32(inside[b], row + 32 * b);
+#pragma GCC unroll 12
+      for (int g = 0; g < G; ++g) {
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(q[p * q_stride + g]));
+#pragma GCC unroll 4
+        for (int b = 0; b < kKeyBlocks; ++b) acc[g][b] = _mm512_dpbf16_ps(acc[g][b], k[b], pair);
+      }
+    }
+#pragma GCC unroll 12
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int b = 0; b < kKeyBlocks; ++b) _mm512_mask_storeu_ps(scores + g * score_stride + j + 16 * b, inside[b], _mm512_mul_ps(acc[g][b], scaling));
+  }
+}
+
+// accumulate_values for a bfloat16 cache: positions taken in pairs (j, j + 1), j - j0 even,
+// weights [G][weight_stride] in bfloat16 (a pair is one 32-bit word); past j1 a pair's second
+// weight is 0 and its value row the first's. Each lane sums its (head, channel) in order.
+template <int G>
+void accumulate_values_bf16(const Bfloat16* values, int64_t dim, const int64_t* seen, int64_t j0, int64_t j1, const Bfloat16* weights,
+                            int64_t weight_stride, float* acc) {
+  const auto value_row = [&](int64_t j) { return values + (seen ? seen[j] : j) * dim; };
+  const auto weight_pair = [&](int g, int64_t j) {
+    uint32_t pair;
+    std::memcpy(&pair, weights + g * weight_stride + j, 4);
+    return pair;
+  };
+  if (dim == 64) {
+    // Two rows' 32 channels interleaved into (v0[c], v1[c]) pairs, channels in order.
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    __m512 sums[G][4];
+#pragma GCC unroll 6
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) sums[g][c] = _mm512_loadu_ps(acc + g * dim + 16 * c);
+    for (int64_t j = j0; j < j1; j += 2) {
+      const Bfloat16* v0 = value_row(j);
+      const Bfloat16* v1 = j + 1 < j1 ? value_row(j + 1) : v0;
+      __m512bh pairs[4];
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * half), b = _mm512_loadu_si512(v1 + 32 * half);
+        pairs[2 * half] = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
+        pairs[2 * half + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+      }
+#pragma GCC unroll 6
+      for (int g = 0; g < G; ++g) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(weight_pair(g, j)));
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) sums[g][c] = _mm512_dpbf16_ps(sums[g][c], pairs[c], w);
+      }
+    }
+#pragma GCC unroll 6
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * dim + 16 * c, sums[g][c]);
+    return;
+  }
+  for (int g = 0; g < G; ++g) {
+    float* o = acc + g * dim;
+    for (int64_t j = j0; j < j1; j += 2) {
+      const Bfloat16* v0 = value_row(j);
+      const Bfloat16* v1 = j + 1 < j1 ? value_row(j + 1) : v0;
+      const float w0 = static_cast<float>(weights[g * weight_stride + j]), w1 = static_cast<float>(weights[g * weight_stride + j + 1]);
+      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + (static_cast<float>(v0[d]) * w0 + static_cast<float>(v1[d]) * w1);
+    }
+  }
+}
+#endif
+
 // scores <- exp(scores - max) over `count` scores; returns their sum. Whole vectors only (the
 // tail masked), so a score's exp never depends on where it sits.
 float softmax_numerators(float* scores, int64_t count) {
@@ -724,11 +840,15 @@ void attend(const std::vector<AttentionSegment<T>>& segments, int64_t heads, int
     widest = std::max(widest, std::min(segment.t, block_rows));
   }
   if (ends.empty()) return;
-  const int64_t padded = round_up(longest, 16), most = widest * groups;  // scratch for the widest block only
+  constexpr bool paired = std::is_same_v<T, Bfloat16>;  // bfloat16: pairs of channels and of positions
+  // Scratch for the widest block only; a row of weights has room for a pair's zero past its end.
+  const int64_t padded = round_up(longest + 1, 16), most = widest * groups;
   at::parallel_for(0, ends.back(), 1, [&](int64_t first, int64_t last) {
     std::vector<int64_t> seen(widest * longest), counts(widest), prefixes(widest);
     std::vector<const int64_t*> seen_of(widest);
-    std::vector<float> queries(most * dim), scores(most * padded), weights(most * padded), totals(most), acc(most * dim);
+    std::vector<float> queries(paired ? 0 : most * dim), scores(most * padded), weights(most * padded), totals(most), acc(most * dim);
+    std::vector<uint32_t> query_pairs(paired ? most * dim / 2 : 0);
+    std::vector<Bfloat16> weights16(paired ? most * padded : 0), query16(dim);
     for (int64_t item = first; item < last; ++item) {
       const size_t index = std::upper_bound(ends.begin(), ends.end(), item) - ends.begin();
       const AttentionSegment<T>& sg = segments[index];
@@ -755,14 +875,29 @@ void attend(const std::vector<AttentionSegment<T>>& segments, int64_t heads, int
         counts[i] = count;
         prefixes[i] = prefix;
         shared = std::min(shared, prefix);
-        for (int64_t g = 0; g < groups; ++g)
-          for (int64_t d = 0; d < dim; ++d) queries[d * most + i * groups + g] = sg.q[(row * heads + kv * groups + g) * dim + d];
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* query = sg.q + (row * heads + kv * groups + g) * dim;
+          if constexpr (paired) {
+            to_cache(query, dim, query16.data());
+            for (int64_t p = 0; p < dim / 2; ++p) std::memcpy(&query_pairs[p * most + i * groups + g], &query16[2 * p], 4);
+          } else {
+            for (int64_t d = 0; d < dim; ++d) queries[d * most + i * groups + g] = query[d];
+          }
+        }
       }
+      if constexpr (paired) shared &= ~int64_t(1);  // the shared sum ends on a whole pair of positions
       const T* k = sg.keys_t + kv * sg.capacity * dim;
       const T* v = sg.values + kv * sg.capacity * dim;
       for (int64_t h = 0; h < count_heads; h += kScoreHeads)
         with_heads<kScoreHeads>(static_cast<int>(std::min<int64_t>(kScoreHeads, count_heads - h)), [&](auto n) {
-          scores_of<decltype(n)::value>(queries.data() + h, most, k, sg.capacity, dim, needed, scale, scores.data() + h * padded, padded);
+#if defined(__AVX512BF16__)
+          if constexpr (paired) {
+            scores_bf16<decltype(n)::value>(query_pairs.data() + h, most, k, sg.capacity, dim, needed, scale, scores.data() + h * padded, padded);
+            return;
+          }
+#endif
+          if constexpr (!paired)
+            scores_of<decltype(n)::value>(queries.data() + h, most, k, sg.capacity, dim, needed, scale, scores.data() + h * padded, padded);
         });
       for (int64_t h = 0; h < count_heads; ++h) {
         const int64_t i = h / groups;
@@ -771,12 +906,23 @@ void attend(const std::vector<AttentionSegment<T>>& segments, int64_t heads, int
         std::memcpy(w, from, prefixes[i] * sizeof(float));
         for (int64_t j = prefixes[i]; j < counts[i]; ++j) w[j] = from[seen_of[i][j]];
         totals[h] = softmax_numerators(w, counts[i]);
+        if constexpr (paired) {
+          to_cache(w, counts[i], weights16.data() + h * padded);
+          weights16[h * padded + counts[i]] = Bfloat16(0.f);
+        }
       }
       std::fill(acc.begin(), acc.begin() + count_heads * dim, 0.f);
       const auto add_values = [&](int64_t h0, int64_t heads_here, const int64_t* own, int64_t j0, int64_t j1) {
         for (int64_t h = h0; h < h0 + heads_here; h += kValueHeads)
           with_heads<kValueHeads>(static_cast<int>(std::min<int64_t>(kValueHeads, h0 + heads_here - h)), [&](auto n) {
-            accumulate_values<decltype(n)::value>(v, dim, own, j0, j1, weights.data() + h * padded, padded, acc.data() + h * dim);
+#if defined(__AVX512BF16__)
+            if constexpr (paired) {
+              accumulate_values_bf16<decltype(n)::value>(v, dim, own, j0, j1, weights16.data() + h * padded, padded, acc.data() + h * dim);
+              return;
+            }
+#endif
+            if constexpr (!paired)
+              accumulate_values<decltype(n)::value>(v, dim, own, j0, j1, weights.data() + h * padded, padded, acc.data() + h * dim);
           });
       };
       add_values(0, count_heads, nullptr, 0, shared);
@@ -794,14 +940,22 @@ const bool* mask_rows(const c10::optional<torch::Tensor>& mask, int64_t t, int64
   return holder.data_ptr<bool>();
 }
 
-// One layer's cache: keys [KV, d, capacity] (transposed), values [KV, capacity, d], both dense,
-// float32 or (capacity a multiple of 16) float16.
+// One layer's cache, dense: values [KV, capacity, d]; keys [KV, d, capacity] (transposed),
+// float32 or (capacity a multiple of 16) float16, or, where the kernels multiply bfloat16,
+// keys [KV, d/2, capacity, 2] (pairs of channels) in bfloat16.
 void check_cache(const torch::Tensor& keys, const torch::Tensor& values) {
-  TORCH_CHECK(keys.dtype() == values.dtype() && (keys.dtype() == torch::kFloat32 || (keys.dtype() == torch::kHalf && keys.size(2) % 16 == 0)),
-              "the cache must be float32, or float16 with a capacity that is a multiple of 16");
-  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.size(0) == values.size(0) && keys.size(1) == values.size(2) &&
-                  keys.size(2) == values.size(1) && keys.is_contiguous() && values.is_contiguous(),
-              "keys must be [KV, d, capacity] and values [KV, capacity, d], dense");
+  TORCH_CHECK(keys.dtype() == values.dtype() && keys.is_contiguous() && values.is_contiguous() && values.dim() == 3, "keys and values must be dense, of one dtype");
+  const int64_t kv_heads = values.size(0), capacity = values.size(1), dim = values.size(2);
+  if (keys.dtype() == torch::kBFloat16) {
+    TORCH_CHECK(kBfloat16Cache, "these kernels were built for a CPU without bfloat16 dot products: use a float16 or float32 cache");
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == kv_heads && keys.size(1) * 2 == dim && keys.size(2) == capacity && keys.size(3) == 2,
+                "bfloat16 keys must be [KV, d/2, capacity, 2] and values [KV, capacity, d]");
+    return;
+  }
+  TORCH_CHECK(keys.dtype() == torch::kFloat32 || (keys.dtype() == torch::kHalf && capacity % 16 == 0),
+              "the cache must be float32, float16 with a capacity that is a multiple of 16, or bfloat16");
+  TORCH_CHECK(keys.dim() == 3 && keys.size(0) == kv_heads && keys.size(1) == dim && keys.size(2) == capacity,
+              "keys must be [KV, d, capacity] and values [KV, capacity, d]");
 }
 
 // q [T, H, d]; keys [KV, d, capacity] and values [KV, capacity, d] holding `length` positions
@@ -810,14 +964,22 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
                         c10::optional<torch::Tensor> mask) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "attention takes float32 q [T, H, d]");
   check_cache(keys, values);
-  TORCH_CHECK(keys.dtype() == torch::kFloat32, "attention reads a float32 cache");
+  TORCH_CHECK(keys.dtype() != torch::kHalf, "attention reads a float32 or bfloat16 cache");
   q = q.contiguous();
   const int64_t t = q.size(0), heads = q.size(1), dim = q.size(2);
   auto out = torch::empty({t, heads * dim}, torch::kFloat32);
   torch::Tensor holder;
-  attend<float>({{q.data_ptr<float>(), t, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), length, start,
-           mask_rows(mask, t, length, holder), out.data_ptr<float>()}},
-         heads, dim, keys.size(0));
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    attend<T>({{q.data_ptr<float>(), t, keys.data_ptr<T>(), values.data_ptr<T>(), values.size(1), length, start,
+                mask_rows(mask, t, length, holder), out.data_ptr<float>()}},
+              heads, dim, values.size(0));
+  };
+  if (keys.dtype() == torch::kBFloat16) {
+    run(Bfloat16());
+  } else {
+    run(float());
+  }
   return out;
 }
 
@@ -906,7 +1068,7 @@ template <typename T>
 void rotate_store_attend(float* projected, int64_t width, const torch::Tensor& cos, const torch::Tensor& sin,
                          const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                          const std::vector<int64_t>& counts, const std::vector<torch::Tensor>& masks, int64_t heads, float* q, float* attended) {
-  const int64_t kv_heads = keys[0].size(0), dim = keys[0].size(1), segments = keys.size();
+  const int64_t kv_heads = values[0].size(0), dim = values[0].size(2), segments = keys.size();
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   std::vector<int64_t> firsts(segments + 1, 0);  // segment i's rows are [firsts[i], firsts[i + 1])
   for (int64_t i = 0; i < segments; ++i) firsts[i + 1] = firsts[i] + counts[i];
@@ -924,7 +1086,7 @@ void rotate_store_attend(float* projected, int64_t width, const torch::Tensor& c
         rotate(row + head * dim, c, sn, dim);
         std::memcpy(q + (r * heads + head) * dim, row + head * dim, dim * sizeof(float));
       }
-      const int64_t capacity = keys[i].size(2), position = starts[i] + r - firsts[i];
+      const int64_t capacity = values[i].size(1), position = starts[i] + r - firsts[i];
       T* vp = values[i].data_ptr<T>();
       for (int64_t head = 0; head < kv_heads; ++head) {
         float* key = row + q_size + head * dim;
@@ -939,11 +1101,14 @@ void rotate_store_attend(float* projected, int64_t width, const torch::Tensor& c
   for (int64_t i = 0; i < segments; ++i) {
     T* kp = keys[i].data_ptr<T>();
     T* vp = values[i].data_ptr<T>();
-    const int64_t capacity = keys[i].size(2), start = starts[i], length = start + counts[i];
-    // Keys are [kv_heads][d][capacity]: one (head, d) row at a time, the new positions side by
-    // side (row by row, each key touched dim lines of the cache, each a miss).
-    for (int64_t hd = 0; hd < kv_size; ++hd)
-      for (int64_t r = firsts[i]; r < firsts[i + 1]; ++r) kp[hd * capacity + start + r - firsts[i]] = converted[r * kv_size + hd];
+    const int64_t capacity = values[i].size(1), start = starts[i], length = start + counts[i];
+    // Keys are [kv_heads][d][capacity] (bfloat16: [kv_heads][d/2][capacity][2]): one (head,
+    // channel or pair) row at a time, the new positions side by side (row by row, each key
+    // touched dim lines of the cache, each a miss).
+    constexpr int64_t kWidth = std::is_same_v<T, Bfloat16> ? 2 : 1;  // channels a position holds in one row
+    for (int64_t hd = 0; hd < kv_size / kWidth; ++hd)
+      for (int64_t r = firsts[i]; r < firsts[i + 1]; ++r)
+        std::memcpy(kp + (hd * capacity + start + r - firsts[i]) * kWidth, converted + r * kv_size + hd * kWidth, kWidth * sizeof(T));
     const c10::optional<torch::Tensor> mask = masks[i].numel() ? c10::optional<torch::Tensor>(masks[i]) : c10::nullopt;
     attention.push_back({q + firsts[i] * q_size, counts[i], kp, vp, capacity, length, start,
                          mask_rows(mask, counts[i], length, mask_holders[i]), attended + firsts[i] * q_size});
@@ -991,14 +1156,14 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, const LayerWeights& layer, tor
   x = x.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  const int64_t t = x.size(0), hidden = x.size(1), kv_heads = keys[0].size(0), dim = keys[0].size(1);
+  const int64_t t = x.size(0), hidden = x.size(1), kv_heads = values[0].size(0), dim = values[0].size(2);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   TORCH_CHECK(dim <= 512 && widths[0] == q_size + 2 * kv_size, "layer shapes do not match the cache");
   int64_t rows_total = 0;
   for (size_t i = 0; i < segments; ++i) {
     check_cache(keys[i], values[i]);
     TORCH_CHECK(keys[i].dtype() == keys[0].dtype(), "the segments' caches must share one dtype");
-    TORCH_CHECK(keys[i].size(0) == kv_heads && keys[i].size(1) == dim && starts[i] + counts[i] <= keys[i].size(2),
+    TORCH_CHECK(values[i].size(0) == kv_heads && values[i].size(2) == dim && starts[i] + counts[i] <= values[i].size(1),
                 "a segment's cache does not fit the layer or its tokens");
     rows_total += counts[i];
   }
@@ -1031,7 +1196,9 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, const LayerWeights& layer, tor
 
   qkv.quantize(t, hidden, [&](int64_t r, float* row) { rms_norm(h + r * hidden, norm_in, epsilon, hidden, row); }, xq, row_scale);
   qkv.multiply(xq, row_scale, t, projected);
-  if (keys[0].dtype() == torch::kHalf) {
+  if (keys[0].dtype() == torch::kBFloat16) {
+    rotate_store_attend<Bfloat16>(projected, widths[0], cos, sin, keys, values, starts, counts, masks, heads, q, attended);
+  } else if (keys[0].dtype() == torch::kHalf) {
     rotate_store_attend<c10::Half>(projected, widths[0], cos, sin, keys, values, starts, counts, masks, heads, q, attended);
   } else {
     rotate_store_attend<float>(projected, widths[0], cos, sin, keys, values, starts, counts, masks, heads, q, attended);
@@ -1062,6 +1229,8 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, const LayerWeights& layer, tor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("pack_weight", &pack_weight);
+  // The dtype of the caches the native layers read fastest on this CPU.
+  module.def("cache_dtype", [] { return std::string(kBfloat16Cache ? "bfloat16" : "float16"); });
   module.def("weight_sums", &weight_sums);
   // The passes run without Python's lock: a service's gRPC threads take requests and send
   // replies while its compute thread is inside a layer, instead of waiting for the
