@@ -1,6 +1,8 @@
 """`specdec bench --cost-curve`: what one forward costs for k new tokens after a committed
 context, for the served engine and for float32 transformers, measured interleaved (every
-repetition visits every engine and k in turn, so a drift in machine speed hits all alike)."""
+repetition visits every engine and k in turn, so a drift in machine speed hits all alike).
+The cost of k tokens relative to one is given both as a ratio of medians and as the geometric
+mean of each repetition's own T(k) / T(1) with its 95% interval."""
 from __future__ import annotations
 
 import statistics
@@ -10,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdec.bench.stats import paired_geometric_mean
 from specdec.core.engine import TransformersEngine, engine_for
 from specdec.core.feature_head import is_feature_head
 from specdec.core.models import ModelSpec, load_model
@@ -29,7 +32,7 @@ def _engines(config) -> dict[str, tuple[str, object]]:
     return engines
 
 
-def run_cost_curve(config, context_ids: list[int], tokens: list[int], repeats: int = 12) -> list[dict]:
+def run_cost_curve(config, context_ids: list[int], tokens: list[int], repeats: int = 24) -> list[dict]:
     engines = _engines(config)
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
@@ -53,18 +56,23 @@ def run_cost_curve(config, context_ids: list[int], tokens: list[int], repeats: i
         one = statistics.median(times[(name, 1)])
         for k in tokens if role == "verifier" else [1]:
             median = statistics.median(times[(name, k)])
+            # T(k) over T(1) of the same repetition, moments apart: the machine's drift between
+            # repetitions cancels, which it does not in a ratio of medians
+            paired, low, high = paired_geometric_mean([a / b for a, b in zip(times[(name, k)], times[(name, 1)])])
             rows.append({
                 "method": "cost_curve", "engine": name, "model": role, "tokens": k, "context": len(context_ids),
                 ("verify_ms" if role == "verifier" else "draft_step_ms"): median, "ratio_to_one_token": median / one,
+                "paired_ratio_to_one_token": paired, "paired_interval": [low, high],
             })
     return rows
 
 
 def format_cost_curve(rows: list[dict]) -> str:
-    lines = ["engine | tokens | ms (median) | x one token", "---|---|---|---"]
+    lines = ["engine | tokens | ms (median) | x one token (medians) | x one token (paired, 95%)", "---|---|---|---|---"]
     for r in rows:
         ms = r.get("verify_ms", r.get("draft_step_ms"))
-        lines.append(f"{r['engine']} | {r['tokens']} | {ms:.1f} | {r['ratio_to_one_token']:.2f}")
+        low, high = r["paired_interval"]
+        lines.append(f"{r['engine']} | {r['tokens']} | {ms:.1f} | {r['ratio_to_one_token']:.2f} | {r['paired_ratio_to_one_token']:.2f} [{low:.2f}, {high:.2f}]")
     return "\n".join(lines)
 
 
@@ -79,12 +87,14 @@ def plot_cost_curve(rows: list[dict], path: Path) -> None:
         mine = [r for r in rows if r["engine"] == name]
         ks = [r["tokens"] for r in mine]
         absolute.plot(ks, [r["verify_ms"] for r in mine], marker="o", label=name)
-        relative.plot(ks, [r["ratio_to_one_token"] for r in mine], marker="o", label=name)
+        paired = [r["paired_ratio_to_one_token"] for r in mine]
+        spread = [[p - r["paired_interval"][0] for p, r in zip(paired, mine)], [r["paired_interval"][1] - p for p, r in zip(paired, mine)]]
+        relative.errorbar(ks, paired, yerr=spread, marker="o", capsize=3, label=name)
     for r in rows:
         if r["model"] == "drafter":
             absolute.axhline(r["draft_step_ms"], linestyle=":", color="grey", label=f"{r['engine']}: one step")
     absolute.set(xscale="log", xlabel="new tokens in the pass (k)", ylabel="forward time (ms, median)", title=f"verifier forward after {rows[0]['context']} tokens")
-    relative.set(xscale="log", xlabel="new tokens in the pass (k)", ylabel="T(k) / T(1)", title="cost of verifying k tokens, relative")
+    relative.set(xscale="log", xlabel="new tokens in the pass (k)", ylabel="T(k) / T(1), paired (95%)", title="cost of verifying k tokens, relative")
     relative.axhline(1.0, color="grey", linewidth=0.5)
     for ax in (absolute, relative):
         ax.grid(alpha=0.3)
