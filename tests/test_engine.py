@@ -75,9 +75,9 @@ def test_engine_gives_transformers_logits_and_hidden_states(tiny_model):
         engine_cache = engine.new_cache()
         engine(engine_cache, context)
         logits, hidden = engine(engine_cache, new, num_logits=3, hidden_states=True)
-    assert torch.allclose(logits, reference.logits[0], atol=1e-5)
+    # float rounding at each tensor's scale (the wide model's residual stream grows past 1000)
+    assert torch.allclose(logits, reference.logits[0], atol=1e-5 * max(1.0, reference.logits.abs().max().item()))
     assert len(hidden) == len(reference.hidden_states)
-    # float rounding at each layer's scale (the wide model's residual stream grows past 1000)
     assert all(torch.allclose(a, b, atol=1e-5 * max(1.0, b.abs().max().item())) for a, b in zip(hidden, reference.hidden_states))
 
 
@@ -451,7 +451,9 @@ def test_engine_applies_sd2_deltas_as_the_hooks_do(tiny_model):
             plain, _ = runner(runner.new_cache(), context, num_logits=3)
             results.append((steered, plain))
     (hooked, hooked_plain), (fused, fused_plain) = results
-    assert torch.allclose(hooked, fused, atol=1e-5) and torch.allclose(hooked_plain, fused_plain, atol=1e-5)
+    # float rounding at the logits' scale
+    assert torch.allclose(hooked, fused, atol=1e-5 * max(1.0, hooked.abs().max().item()))
+    assert torch.allclose(hooked_plain, fused_plain, atol=1e-5 * max(1.0, hooked_plain.abs().max().item()))
     assert not torch.allclose(hooked, hooked_plain, atol=1e-3)
 
 
