@@ -848,7 +848,7 @@ void attend(const std::vector<AttentionSegment<T>>& segments, int64_t heads, int
     std::vector<const int64_t*> seen_of(widest);
     std::vector<float> queries(paired ? 0 : most * dim), scores(most * padded), weights(most * padded), totals(most), acc(most * dim);
     std::vector<uint32_t> query_pairs(paired ? most * dim / 2 : 0);
-    std::vector<Bfloat16> weights16(paired ? most * padded : 0), query16(dim);
+    std::vector<Bfloat16> weights16(paired ? most * padded : 0), query16(paired ? dim : 0);
     for (int64_t item = first; item < last; ++item) {
       const size_t index = std::upper_bound(ends.begin(), ends.end(), item) - ends.begin();
       const AttentionSegment<T>& sg = segments[index];
