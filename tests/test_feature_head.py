@@ -337,3 +337,6 @@ def test_cost_curve_times_the_verifier_where_the_drafter_is_a_head(tiny_dirs, he
         (engine, k) for engine in ("served verifier (int8)", "float32 transformers verifier") for k in (1, 3)
     }
     assert all(r["model"] == "verifier" and r["verify_ms"] > 0 for r in rows)
+    # each repetition's own T(k) / T(1): exactly 1 at k = 1, inside its interval everywhere
+    assert all(r["paired_ratio_to_one_token"] == 1.0 for r in rows if r["tokens"] == 1)
+    assert all(r["paired_interval"][0] <= r["paired_ratio_to_one_token"] <= r["paired_interval"][1] for r in rows)
