@@ -5,12 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from specdec.core.models import hf_greedy
 from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.rpc import wait_until_serving
 from tests.conftest import free_port
 
 
-def test_services_as_separate_processes(tiny_dirs, tmp_path):
+PROMPT = [1, 4, 5, 6]
+
+
+def test_services_as_separate_processes(tiny_dirs, tiny_verifier, tmp_path):
+    """A speculative request through the three processes gives the verifier alone's greedy
+    tokens (through the same servers, and transformers' `generate()`), and it did speculate."""
     v_port, d_port, c_port = free_port(), free_port(), free_port()
     config = tmp_path / "config.yaml"
     config.write_text(f"verifier:\n  model: {tiny_dirs['verifier']}\n  torch_threads: 1\n")
@@ -31,10 +37,12 @@ def test_services_as_separate_processes(tiny_dirs, tmp_path):
         )
         wait_until_serving(f"localhost:{c_port}", 120, "specdec.v1.Coordinator")
         client = CoordinatorClient(f"localhost:{c_port}")
-        reply = client.generate(generate_request("w1 w2 w3", max_new_tokens=12, num_draft_tokens=3))
+        reply = client.generate(generate_request(prompt_token_ids=PROMPT, max_new_tokens=12, num_draft_tokens=3))
+        alone = client.generate(generate_request(prompt_token_ids=PROMPT, max_new_tokens=12, num_draft_tokens=0))
         client.close()
-        assert 1 <= len(reply.token_ids) <= 12
-        assert reply.stats.rounds >= 1 and reply.stats.bytes_sent > 0 and reply.stats.draft_compute_ms > 0
+        assert list(reply.token_ids) == list(alone.token_ids) == hf_greedy(tiny_verifier, PROMPT, 12)
+        assert reply.stats.speculative_rounds >= 1 and reply.stats.drafted_tokens > 0 and alone.stats.speculative_rounds == 0
+        assert reply.stats.bytes_sent > 0 and reply.stats.draft_compute_ms > 0
     finally:
         for process in processes:
             process.terminate()
