@@ -263,6 +263,7 @@ class PairSession:
         self._verifier_open = False
         self._at: dict[str, str] = {}  # service -> the replica that last served the session
         self.replica_moves = 0  # calls that found the session's replica gone and re-opened it on another
+        self.reopens = 0  # calls a service refused for a session it lost, re-sent with the whole context
         self._closed = False
 
     def draft(
@@ -426,6 +427,7 @@ class PairSession:
             except grpc.RpcError as err:
                 if err.code() in _REOPEN and not reopen:
                     reopen = True
+                    self.reopens += 1
                     continue
                 transient = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 out_of_time = self.deadline is not None and time.monotonic() + backoff_s > self.deadline

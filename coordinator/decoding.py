@@ -5,7 +5,7 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Protocol
 
 import grpc
@@ -21,6 +21,44 @@ from specdec.core.tree import ROOT, DraftTree, TreeShape
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Anatomy:
+    """Sums over rounds of one kind of what each part of a round cost (RoundAnatomy)."""
+
+    rounds: int = 0
+    round_ms: float = 0.0
+    draft_compute_ms: float = 0.0
+    verify_compute_ms: float = 0.0
+    draft_hop_ms: float = 0.0
+    verify_hop_ms: float = 0.0
+    draft_request_bytes: int = 0
+    draft_response_bytes: int = 0
+    verify_request_bytes: int = 0
+    verify_response_bytes: int = 0
+
+    def add(self, report: RoundReport, draft_call, verify_call) -> None:
+        """A round's report, with its Draft call (None when it drafted nothing) and Verify call."""
+        self.rounds += 1
+        self.round_ms += report.wall_ms
+        self.draft_compute_ms += report.draft_ms
+        self.verify_compute_ms += report.verify_ms
+        self.draft_hop_ms += report.draft_wire_ms
+        self.verify_hop_ms += report.verify_wire_ms
+        if draft_call is not None:
+            self.draft_request_bytes += draft_call.cost.bytes_sent
+            self.draft_response_bytes += draft_call.cost.bytes_received
+        self.verify_request_bytes += verify_call.cost.bytes_sent
+        self.verify_response_bytes += verify_call.cost.bytes_received
+
+    def means(self) -> coordinator_pb2.RoundAnatomy:
+        if not self.rounds:
+            return coordinator_pb2.RoundAnatomy()
+        mean = {f.name: getattr(self, f.name) / self.rounds for f in fields(self) if f.name != "rounds"}
+        compute = mean["draft_compute_ms"] + mean["verify_compute_ms"]
+        hops = mean["draft_hop_ms"] + mean["verify_hop_ms"]
+        return coordinator_pb2.RoundAnatomy(rounds=self.rounds, **mean, overhead_ms=mean["round_ms"] - compute, coordinator_ms=mean["round_ms"] - compute - hops)
 
 
 @dataclass
@@ -48,6 +86,8 @@ class Meter:
     draft_forward_passes: int = 0
     accepted_counts: Counter = field(default_factory=Counter)  # speculative rounds by draft tokens accepted
     plan_rounds: Counter = field(default_factory=Counter)
+    speculative_anatomy: Anatomy = field(default_factory=Anatomy)
+    verifier_alone_anatomy: Anatomy = field(default_factory=Anatomy)
     started: float = field(default_factory=time.perf_counter)
 
     def add_call(self, call, is_draft: bool) -> None:
@@ -112,6 +152,8 @@ class Meter:
             accepted_per_position=[
                 sum(count for accepted, count in self.accepted_counts.items() if accepted > d) for d in range(max(self.accepted_counts, default=0))
             ],
+            speculative_anatomy=self.speculative_anatomy.means(),
+            verifier_alone_anatomy=self.verifier_alone_anatomy.means(),
         )
 
 
@@ -158,6 +200,7 @@ def decode_rounds(
     deferred = None  # a plan that waits one round for the verifier's features
     standby = DrafterStandby(meter)
     began = time.perf_counter()  # the round's start: the last one's end, so what the caller does between rounds counts
+    folded = False  # the last round fetched features, and its time is part of this one's
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
         plan, deferred = deferred or policy.choose(), None
@@ -230,6 +273,10 @@ def decode_rounds(
         if not features or report.opened:
             began = ended
             policy.observe(report)
+            if not (report.opened or folded):  # the anatomy counts rounds that are only themselves
+                anatomy = meter.verifier_alone_anatomy if draft is None else meter.speculative_anatomy
+                anatomy.add(report, None if draft is None else draft_call, verify_call)
+        folded = features and not report.opened  # this round's time goes into the next one's
         meter.add_call(verify_call, is_draft=False)
         meter.add_plan(plan)
         generated += len(verdict.token_ids)

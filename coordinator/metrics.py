@@ -32,6 +32,7 @@ class RequestMetrics:
         self.steering_ms = metrics.Counter("specdec_steering_ms", "SD2 steering compute inside the services", tag_keys=("service",))
         self.feature_bytes = metrics.Counter("specdec_feature_bytes", "verifier feature bytes (verifier -> coordinator -> drafter)")
         self.drafter_failures = metrics.Counter("specdec_drafter_failures", "failed Draft calls (the request went on with the verifier alone)")
+        self.session_reopens = metrics.Counter("specdec_session_reopens", "calls re-sent with the whole context: the service had lost the session (evicted, restarted)")
         self.num_drafts = metrics.Counter("spec_decode_num_drafts", "rounds that verified a draft")
         self.num_draft_tokens = metrics.Counter("spec_decode_num_draft_tokens", "draft tokens sent to the verifier")
         self.num_accepted = metrics.Counter("spec_decode_num_accepted_tokens", "draft tokens the verifier accepted")
@@ -58,6 +59,7 @@ class RequestMetrics:
             (self.steering_ms, stats.draft_steering_ms, {"service": "drafter"}),
             (self.feature_bytes, stats.feature_bytes, None),
             (self.drafter_failures, stats.drafter_failures, None),
+            (self.session_reopens, stats.session_reopens, None),
             (self.num_drafts, stats.speculative_rounds, None),
             (self.num_draft_tokens, stats.drafted_tokens, None),
             (self.num_accepted, stats.accepted_draft_tokens, None),

@@ -16,7 +16,7 @@ from typing import Iterator
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from google.protobuf.json_format import ParseDict, ParseError
+from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
 from starlette.concurrency import run_in_threadpool
 
 from specdec.core.prompts import chat_ids
@@ -301,7 +301,14 @@ def _speculation(stats) -> dict:
     """The request's RoundStats, plus acceptance under the names vLLM reports."""
     out = {}
     for field, value in stats.ListFields():
-        out[field.name] = dict(value) if hasattr(value, "items") else value if isinstance(value, (bool, int, float, str)) else list(value)
+        if hasattr(value, "items"):
+            out[field.name] = dict(value)
+        elif isinstance(value, (bool, int, float, str)):
+            out[field.name] = value
+        elif hasattr(value, "ListFields"):  # a message: the round anatomies
+            out[field.name] = MessageToDict(value, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        else:
+            out[field.name] = list(value)
     out["acceptance_rate"] = stats.accepted_draft_tokens / stats.drafted_tokens if stats.drafted_tokens else 0.0
     out["mean_acceptance_length"] = 1 + stats.accepted_draft_tokens / stats.speculative_rounds if stats.speculative_rounds else 1.0
     return out

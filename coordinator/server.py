@@ -134,6 +134,8 @@ class Coordinator:
                 ids = chat_ids(self.tokenizer, request.prompt)
             else:
                 ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+            if not ids:  # whitespace alone: no session can open on it
+                raise invalid("the prompt has no tokens (it is whitespace)")
         else:
             raise invalid("the prompt is empty: set prompt or prompt_token_ids")
         if len(ids) >= self.max_context:
@@ -223,7 +225,7 @@ class Coordinator:
         tokens, text = output.take_delta()
         stats = meter.stats("adaptive" if adaptive else "fixed", overlap, settings.steering, budget, settings.tree.method, len(output.token_ids), features)
         stats.drafter_replica, stats.verifier_replica = session.replica("drafter"), session.replica("verifier")
-        stats.replica_moves = session.replica_moves
+        stats.replica_moves, stats.session_reopens = session.replica_moves, session.reopens
         if self.on_finished is not None:
             try:
                 self.on_finished(stats)

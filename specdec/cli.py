@@ -41,11 +41,15 @@ def _app_args(args) -> dict:
 
 
 def cmd_serve(args) -> int:
+    from specdec.core.oracle import NOT_SERVED, is_oracle
+    from specdec.serving.app import build_config
     from specdec.serving.config import ConfigError
     from specdec.serving.launch import start_stack, stop_stack
 
     print("starting Ray Serve: drafter, verifier and coordinator (first start converts the default model once)...", flush=True)
     try:
+        if is_oracle(build_config(_app_args(args)).drafter.model.source):
+            raise ConfigError(f"drafter.model: {NOT_SERVED}")
         address = start_stack(_app_args(args), args.port, args.ray_address, http_port=args.http_port, grpc_proxy_port=args.grpc_proxy_port)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
@@ -53,7 +57,6 @@ def cmd_serve(args) -> int:
     print(f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING); through Serve's gRPC proxy on :{args.grpc_proxy_port}", flush=True)
     print(f"OpenAI-compatible API on http://localhost:{args.http_port}/v1", flush=True)
     if args.demo:
-        from specdec.serving.app import build_config
         from specdec.serving.client import server_ca, server_token
 
         config = build_config(_app_args(args))

@@ -6,24 +6,30 @@ generation with the same pair and weights in-process (`hf_assisted`; `hf_prompt_
 drafters), plain `generate()` of the
 served verifier's weights (`hf_generate`) and of its float32 weights (`hf_generate_fp32`, what a user
 would otherwise run). Methods interleave on each prompt; every ratio comes with a paired 95%
-bootstrap interval over prompts. Writes JSON and a plot, prints a table.
+bootstrap interval over prompts. Every row through the services gives its round anatomy (the
+means per round of each part of a round), each hop beside a bare loopback gRPC call of its
+payload; the `oracle` drafter's rows give the ceiling each plan allows. Writes JSON and plots,
+prints tables.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from specdec.bench.loopback import loopback_call_ms
 from specdec.bench.stats import paired_ratio_interval, turn_order
 from specdec.core.ngram import is_model_free
+from specdec.core.oracle import ORACLE, write_references
 from specdec.core.prompts import (
     PACKAGED_PROMPTS,
     chat_ids,
@@ -55,8 +61,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated drafters compared side by side, each in its own stack (default: the config's): a model "
         "name or directory, 'model' (the config's drafter), 'prompt-lookup' or 'suffix' (no model), 'hybrid' (the config's "
         "drafter with n-gram candidates: its drafter.ngram.method, else suffix), 'staged' (the config's drafter drafting "
-        "with an n-gram second stage); NAME:unsteered runs a steered drafter "
-        "without its steering. With an n-gram drafter the run adds an `hf_prompt_lookup` row",
+        "with an n-gram second stage), 'oracle' (drafts the verifier alone's own greedy continuation of each prompt, "
+        "recorded first through the same stack: the most any drafter could keep with each plan); NAME:unsteered runs a "
+        "steered drafter without its steering. With an n-gram drafter the run adds an `hf_prompt_lookup` row",
     )
     parser.add_argument(
         "--adaptive", action="store_true",
@@ -91,6 +98,39 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     steering.add_argument("--ood-categories", help="comma-separated categories measured apart (default: those the steered drafter's recipe excluded)")
 
 
+ANATOMY_PARTS = ("round_ms", "draft_compute_ms", "verify_compute_ms", "draft_hop_ms", "verify_hop_ms", "coordinator_ms", "overhead_ms")
+HOPS = ("draft", "verify")
+
+
+@dataclass
+class AnatomyTally:
+    """One kind of round's anatomy (RoundAnatomy) over a method's requests."""
+
+    rounds: int = 0
+    sums: Counter = field(default_factory=Counter)  # part -> ms over all rounds
+    payloads: dict = field(default_factory=lambda: defaultdict(list))  # hop -> each request's mean (request, response) bytes
+
+    def add(self, anatomy) -> None:
+        if not anatomy.rounds:
+            return
+        self.rounds += anatomy.rounds
+        for part in ANATOMY_PARTS:
+            self.sums[part] += getattr(anatomy, part) * anatomy.rounds
+        for hop in HOPS:
+            self.payloads[hop].append((getattr(anatomy, f"{hop}_request_bytes"), getattr(anatomy, f"{hop}_response_bytes")))
+
+    def row(self) -> dict | None:
+        """Means per round; each hop's payload is the median over requests (None: no such call,
+        or one in this process)."""
+        if not self.rounds:
+            return None
+        row = {"rounds": self.rounds} | {part: self.sums[part] / self.rounds for part in ANATOMY_PARTS}
+        for hop in HOPS:
+            payload = [round(statistics.median(sizes)) for sizes in zip(*self.payloads[hop])]
+            row[f"{hop}_payload_bytes"] = payload if any(payload) else None
+        return row
+
+
 @dataclass
 class Tally:
     """One method's measurements, per prompt (so ratios get paired intervals over prompts)."""
@@ -107,6 +147,8 @@ class Tally:
     bytes_per_round: list[float] = field(default_factory=list)
     plan_rounds: Counter = field(default_factory=Counter)  # rounds per plan (the adaptive row's choices)
     outputs: list[list[int]] = field(default_factory=list)
+    speculative_anatomy: AnatomyTally = field(default_factory=AnatomyTally)
+    verifier_alone_anatomy: AnatomyTally = field(default_factory=AnatomyTally)
 
     def add(self, token_ids: list[int], seconds: float) -> None:
         self.tokens.append(len(token_ids))
@@ -125,6 +167,13 @@ class Tally:
         self.total_ms += stats.total_ms
         self.bytes_per_round.append(stats.bytes_per_round)
         self.plan_rounds.update(stats.plan_rounds)
+        self.speculative_anatomy.add(stats.speculative_anatomy)
+        self.verifier_alone_anatomy.add(stats.verifier_alone_anatomy)
+
+    def round_anatomy(self) -> dict | None:
+        """Per kind of round, the means of its parts; None for a method outside the services."""
+        kinds = {"speculative": self.speculative_anatomy.row(), "verifier_alone": self.verifier_alone_anatomy.row()}
+        return kinds if any(kinds.values()) else None
 
     @property
     def tokens_per_second(self) -> float:
@@ -230,8 +279,12 @@ def run_bench(args) -> int:
         return 0
     entries = args.drafters.split(",") if args.drafters else [config.drafter.model.source]
     sources = list(dict.fromkeys(entry.split(":")[0] for entry in entries))
-    if args.address and len(sources) > 1:
-        raise SystemExit("--drafters with several drafters starts its own stacks; leave out --address")
+    if args.address and (len(sources) > 1 or ORACLE in sources):
+        raise SystemExit("--drafters with several drafters, or the oracle, starts its own stacks; leave out --address")
+    # The oracle's reference table: empty while the stacks start, then recorded through them.
+    references = Path(args.out).resolve().with_name(Path(args.out).stem + "_oracle")
+    if ORACLE in sources:
+        write_references(references, [])
     # How often each stack's drafter sees a prompt (the first stack also serves the verifier alone).
     runs_per_prompt = {
         source: len(temperatures) * (len(trees) * len(budgets) * sum(e.split(":")[0] == source for e in entries) + (source == sources[0]) * (1 + args.adaptive))
@@ -241,7 +294,10 @@ def run_bench(args) -> int:
     for j, source in enumerate(sources):  # one stack per drafter, side by side
         # No prefix cache: every method decodes each prompt once, and a verifier that kept the
         # prompt's keys and values would prefill it only for the method that ran first.
-        stack_args = {**app_args, "coordinator": {"port": args.port + j}, "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1), "verifier": {"prefix_cache_mib": 0}}
+        stack_args = {
+            **app_args, "coordinator": {"port": args.port + j}, "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1, references),
+            "verifier": {"prefix_cache_mib": 0},
+        }
         if args.address:
             address = args.address
         elif j == 0:
@@ -313,6 +369,8 @@ def run_bench(args) -> int:
     ]
     results = []
     try:
+        if ORACLE in sources:  # the verifier alone's greedy continuations, through the first stack, untimed
+            write_references(references, [(prompt_ids[i], list(through_services(i, 0, 0.0)[0].token_ids)) for i in range(len(prompt_ids))])
         for temperature in temperatures:
             for warm in clients.values():
                 warm.generate(generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature))
@@ -348,6 +406,7 @@ def run_bench(args) -> int:
                     "wire_share": tally.wire_ms / tally.total_ms if tally.total_ms else None,
                     "bytes_per_round": sum(tally.bytes_per_round) / len(tally.bytes_per_round) if tally.bytes_per_round else None,
                     "plan_rounds": tally.plan_rounds or None,
+                    "round_anatomy": tally.round_anatomy(),
                     "generated_tokens": sum(tally.tokens),
                     "seconds": sum(tally.seconds),
                     "tokens_per_prompt": tally.tokens,
@@ -369,6 +428,7 @@ def run_bench(args) -> int:
             each.close()
         if not args.address:
             stop_stack()
+    add_hop_floors(results)  # with the stacks stopped, so they take no CPU from the measurement
 
     report = {
         "config": {
@@ -386,6 +446,7 @@ def run_bench(args) -> int:
             "prefix_cache_mib": config.verifier.prefix_cache_mib if args.address else 0,
             "drafter_memory_across_requests": "as served" if args.address else {source: runs == 1 for source, runs in runs_per_prompt.items()},
             "torch_threads": torch.get_num_threads(),
+            "oracle_references": str(references) if ORACLE in sources else None,
         },
         "results": results,
     }
@@ -394,11 +455,13 @@ def run_bench(args) -> int:
     out.write_text(json.dumps(report, indent=2))
     plot_path = out.with_suffix(".png")
     plot_results(results, plot_path)
-    written = [out, plot_path]
+    written = [out, plot_path, out.with_name(out.stem + "_anatomy.png")]
+    plot_anatomy(results, written[-1])
     if len(budgets) > 1:
         written.append(out.with_name(out.stem + "_trees.png"))
         plot_acceptance_by_budget(results, written[-1])
     print(format_table(results))
+    print(format_anatomy(results))
     if len({p["category"] for p in prompts}) > 1:
         print(format_by_category(results))
     print("wrote " + ", ".join(map(str, written)))
@@ -424,15 +487,16 @@ def format_by_category(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _drafter_args(entry: str, config, sees_each_prompt_once: bool) -> dict:
-    """The drafter section of the stack that benchmarks one --drafters entry."""
+def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: Path) -> dict:
+    """The drafter section of the stack that benchmarks one --drafters entry (the oracle's
+    source: its reference table in `references`)."""
     own = entry in ("model", "hybrid", "staged")
     # Memory across requests only where the drafter decodes each prompt once: it then learns
     # from the other prompts, as in service; one that remembered a prompt's earlier run would
     # draft its next run from it.
     memory = {} if sees_each_prompt_once else {"recent_output_tokens": 0}
     return {
-        "model": dataclasses.asdict(config.drafter.model) if own else {"source": entry},
+        "model": dataclasses.asdict(config.drafter.model) if own else {"source": str(references) if entry == ORACLE else entry},
         "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
     }
@@ -469,6 +533,50 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def add_hop_floors(results: list[dict]) -> None:
+    """Sets each hop's floor in the rows' round anatomy: a bare loopback gRPC call carrying the
+    hop's median payload (measured once per payload)."""
+    floors: dict[tuple[int, int], float] = {}
+    kinds = [kind for r in results for kind in (r["round_anatomy"] or {}).values() if kind is not None]
+    for kind, hop in ((kind, hop) for kind in kinds for hop in HOPS):
+        payload = kind[f"{hop}_payload_bytes"]
+        if payload is None:
+            kind[f"{hop}_hop_floor_ms"] = None
+            continue
+        if tuple(payload) not in floors:
+            floors[tuple(payload)] = loopback_call_ms(*payload)
+        kind[f"{hop}_hop_floor_ms"] = floors[tuple(payload)]
+
+
+def _anatomy_rows(results: list[dict]):
+    """(row, kind of round, its anatomy) for each row through the services: its speculative
+    rounds where it has them, else its verifier-alone rounds."""
+    for r in results:
+        kinds = r["round_anatomy"] or {}
+        kind = "speculative" if kinds.get("speculative") else "verifier_alone"
+        if kinds.get(kind):
+            yield r, kind, kinds[kind]
+
+
+def format_anatomy(results: list[dict]) -> str:
+    """Means per round, ms: each hop with its loopback floor in brackets."""
+    def hop(a: dict, name: str) -> str:
+        floor = a[f"{name}_hop_floor_ms"]
+        return f"{a[f'{name}_hop_ms']:.2f}" + (f" [{floor:.2f}]" if floor is not None else "")
+
+    lines = [
+        "| method | drafter | tree | budget | T | rounds of | rounds | round | draft compute | verify compute | draft hop [floor] | verify hop [floor] | coordinator | overhead (share) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, kind, a in _anatomy_rows(results):
+        lines.append(
+            f"| {r['method']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {'-' if r['budget'] is None else r['budget']} | {r['temperature']:g} | "
+            f"{kind.replace('_', ' ')} | {a['rounds']} | {a['round_ms']:.2f} | {a['draft_compute_ms']:.2f} | {a['verify_compute_ms']:.2f} | "
+            f"{hop(a, 'draft')} | {hop(a, 'verify')} | {a['coordinator_ms']:.2f} | {a['overhead_ms']:.2f} ({a['overhead_ms'] / a['round_ms']:.0%}) |"
+        )
+    return "\n".join(lines)
+
+
 def _ratio(ratio: dict) -> str:
     low, high = ratio["ci95"]
     return f"{ratio['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
@@ -491,6 +599,39 @@ def plot_results(results: list[dict], path: Path) -> None:
         ax.set_ylabel("tokens / s")
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle("specdec bench: tokens/s (label: speedup vs verifier-only through the services)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_anatomy(results: list[dict], path: Path) -> None:
+    """Each row's mean round, part by part, as a stacked bar; a tick marks each hop's floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [("draft_compute_ms", "draft compute"), ("verify_compute_ms", "verify compute"), ("draft_hop_ms", "draft hop"),
+             ("verify_hop_ms", "verify hop"), ("coordinator_ms", "coordinator")]
+    temperatures = sorted({r["temperature"] for r in results})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(7 * len(temperatures), 4.5), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        rows = [(r, kind, a) for r, kind, a in _anatomy_rows(results) if r["temperature"] == temperature]
+        labels = [r["name"] + (" (per call)" if kind == "verifier_alone" else "") for r, kind, _ in rows]
+        left = [0.0] * len(rows)
+        for (key, label), color in zip(parts, ("tab:blue", "tab:orange", "tab:green", "tab:olive", "tab:red")):
+            # Timing noise can make the coordinator's remainder a hair below zero: drawn as none.
+            widths = [max(a[key], 0.0) for _, _, a in rows]
+            ax.barh(labels, widths, left=left, color=color, label=label)
+            if key.endswith("hop_ms"):
+                floors = [(i, a[key.replace("_ms", "_floor_ms")]) for i, (_, _, a) in enumerate(rows)]
+                ax.scatter([left[i] + f for i, f in floors if f is not None], [i for i, f in floors if f is not None], marker="|", color="black", s=120)
+            left = [x + w for x, w in zip(left, widths)]
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_xlabel("ms per round (|: the hop's bare loopback gRPC call)")
+        ax.invert_yaxis()
+        ax.legend(fontsize="small")
+    fig.suptitle("specdec bench: round anatomy, ms per speculative round (verifier alone: per call)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,6 +17,8 @@ from specdec.core.feature_head import read_meta as read_feature_meta
 from specdec.core.hub import BUILTIN_FEATURE_HEAD, BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec
 from specdec.core.ngram import NgramSettings, is_model_free
+from specdec.core.oracle import NOT_SERVED as ORACLE_NOT_SERVED
+from specdec.core.oracle import ORACLE
 from specdec.core.steering import is_steering_checkpoint_for
 from specdec.core.tree import MAX_DRAFT_NODES, NGRAM_METHODS, TREE_METHODS, TreeShape
 from specdec.serving.latency_proxy import LinkSettings
@@ -285,6 +287,8 @@ class Config:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         drafter = self.drafter.model.source
+        if drafter == ORACLE:  # the bench deploys the oracle from the reference table it recorded; the name alone has nothing to draft
+            raise ConfigError(f"drafter.model: {ORACLE_NOT_SERVED}")
         if self.drafter.staged_lookahead and (is_model_free(drafter) or is_feature_head(drafter)):
             raise ConfigError("drafter.staged_lookahead speeds up a drafter model's own drafting; this drafter has none (n-gram) or is a feature head")
         if not 0 <= self.drafter.staged_lookahead <= limits.max_draft_tokens:

@@ -34,8 +34,8 @@ class ModelReplica(GrpcReplica):
         """Announces this replica to the coordinators (every few seconds: a replica that dies
         without leaving drops out once it falls silent), and exports Prometheus gauges of what it
         holds, read from its own Info: sessions (Serve's ongoing-request metric cannot see direct
-        gRPC calls), their KV cache, the process's resident memory, batch size and queue time.
-        Serve tags them with deployment and replica."""
+        gRPC calls), their KV cache, the process's resident memory, batch size and queue time,
+        and a counter of the sessions it evicted. Serve tags them with deployment and replica."""
         from ray import serve
         from ray.serve import metrics
 
@@ -52,6 +52,7 @@ class ModelReplica(GrpcReplica):
         batch_size = metrics.Gauge("specdec_replica_batch_size", "mean sessions' calls per forward pass, over the last few seconds")
         queue_ms = metrics.Gauge("specdec_replica_batch_queue_ms", "mean ms a call waited to join a batch, over the last few seconds")
         prefix_hits = metrics.Gauge("specdec_replica_prefix_hit_share", "share of new sessions' prompt tokens the prefix cache held, over the last few seconds")
+        evicted = metrics.Counter("specdec_replica_evicted_sessions", "sessions evicted by limits.max_sessions, max_kv_mib or session_ttl_s (each request re-opens its own)")
         before = common_pb2.ModelInfo()
         client, stop = MeasuredClient(f"localhost:{self.port}", service), threading.Event()
         self._own = client
@@ -73,6 +74,8 @@ class ModelReplica(GrpcReplica):
                 queue_ms.set((info.batch_queue_ms - before.batch_queue_ms) / jobs if jobs else 0.0)
                 hit, read = info.prefix_hit_tokens - before.prefix_hit_tokens, info.prefix_read_tokens - before.prefix_read_tokens
                 prefix_hits.set(hit / (hit + read) if hit + read else 0.0)
+                if info.evicted_sessions > before.evicted_sessions:  # Ray counters refuse increments of 0
+                    evicted.inc(info.evicted_sessions - before.evicted_sessions)
                 before = info
 
         threading.Thread(target=run, name="replica-announce", daemon=True).start()

@@ -19,7 +19,9 @@ State = TypeVar("State")
 class SessionStore(Generic[State]):
     """Sessions by id. The least recently used session is evicted when the store is full, or
     when the sessions' memory (`size_of`) passes max_bytes (0 = no bound), and any session
-    idle for longer than ttl_s; the caller then re-opens it with its full context."""
+    idle for longer than ttl_s; the caller then re-opens it with its full context. `evicted`
+    counts these evictions since the store was made (not sessions ended, nor dropped after a
+    failure)."""
 
     def __init__(self, max_sessions: int, ttl_s: float, max_bytes: int = 0, size_of: Callable[[State], int] = lambda state: 0):
         self._max = max_sessions
@@ -28,6 +30,7 @@ class SessionStore(Generic[State]):
         self._size_of = size_of
         self._items: OrderedDict[str, tuple[State, float]] = OrderedDict()
         self._lock = threading.Lock()
+        self.evicted = 0
 
     @classmethod
     def of_caches(cls, limits: LimitsConfig) -> SessionStore:
@@ -53,6 +56,7 @@ class SessionStore(Generic[State]):
             self._items.move_to_end(session_id)
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
+                self.evicted += 1
 
     def fit(self, session_id: str) -> None:
         """Evicts the least recently used sessions other than `session_id` until all of them
@@ -65,6 +69,7 @@ class SessionStore(Generic[State]):
                 if total <= self._max_bytes:
                     break
                 total -= self._size_of(self._items.pop(key)[0])
+                self.evicted += 1
 
     def nbytes(self) -> int:
         """Memory all sessions hold together."""
@@ -88,6 +93,7 @@ class SessionStore(Generic[State]):
         now = time.monotonic()
         for key in [k for k, (_, seen) in self._items.items() if now - seen > self._ttl]:
             del self._items[key]
+            self.evicted += 1
 
 
 @contextmanager

@@ -69,6 +69,7 @@ def model_info(engine, model_name: str, batcher=None) -> common_pb2.ModelInfo:
         batch_queue_ms=batcher.queue_ms if batcher else 0.0,
         prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
         prefix_read_tokens=prefix.read_tokens if prefix else 0,
+        evicted_sessions=engine.sessions.evicted,
     )
 
 
