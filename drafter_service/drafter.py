@@ -158,7 +158,7 @@ class DrafterEngine:
     def open_session(self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str) -> DrafterSession:
         if verifier_fingerprint and self.fingerprint and verifier_fingerprint != self.fingerprint:
             raise invalid(
-                "mismatched tokenizers: the verifier's tokenizer differs from this drafter's "
+                "mismatched tokenizers: verifier_tokenizer_fingerprint is not this drafter's "
                 f"({verifier_fingerprint} vs {self.fingerprint}); a pair must share one tokenizer"
             )
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")

@@ -87,6 +87,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     @reports_errors
     def EndSession(self, request, context):
+        if not request.session_id:
+            raise invalid("session_id is empty")
         return common_pb2.EndSessionResponse(existed=self.engine.end_session(request.session_id))
 
 

@@ -66,6 +66,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @reports_errors
     def EndSession(self, request, context):
+        if not request.session_id:
+            raise invalid("session_id is empty")
         return common_pb2.EndSessionResponse(existed=self.engine.sessions.pop(request.session_id) is not None)
 
 

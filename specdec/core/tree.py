@@ -97,7 +97,7 @@ class DraftTree:
             support = set(proposal.token_ids)
             siblings = [self.token_ids[c] for c in self.children(node)]
             if len(set(siblings)) != len(siblings):
-                raise MalformedTree(f"the children of node {node} repeat a token; sampled siblings are drawn without replacement")
+                raise MalformedTree(f"tree.token_ids: the children of node {node} repeat a token; sampled siblings are drawn without replacement")
             missing = [t for t in siblings if t not in support]
             if missing:
                 raise MalformedTree(f"tokens {missing} under node {node} have no probability in its proposal")
