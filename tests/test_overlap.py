@@ -56,7 +56,8 @@ def test_a_drafter_that_guesses_right_skips_its_wait(tiny_dirs, tiny_verifier):
 def test_sampling_with_overlap_follows_the_verifier_distribution(tiny_dirs, tiny_verifier):
     """With one draft per round, a round whose overlapped guess came true commits two tokens
     and the third comes from the round drafted ahead: its marginal must be the verifier's.
-    The drafter is the verifier itself, so guesses come true often."""
+    The drafter is the verifier's weights perturbed: its guesses come true often, and its
+    drafts differ from the verifier's distribution (a sampler that always accepts fails)."""
     temperature, prompt, eos = 0.9, [1, 5, 9], 2
     with torch.inference_mode():
         def probs(prefixes):
@@ -72,7 +73,7 @@ def test_sampling_with_overlap_follows_the_verifier_distribution(tiny_dirs, tiny
     exact = (weight[:, :, None] * third).sum((0, 1))
     counts = torch.zeros(vocab)
     config = tiny_config(tiny_dirs, overlap=True)
-    config["drafter"]["model"] = str(tiny_dirs["verifier"])
+    config["drafter"]["model"] = str(tiny_dirs["near_verifier"])
     requests = [
         generate_request(prompt_token_ids=prompt, max_new_tokens=4, temperature=temperature, seed=seed, num_draft_tokens=1)
         for seed in range(2500)

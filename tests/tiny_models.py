@@ -53,3 +53,16 @@ def build_model_dir(
     model.save_pretrained(path)
     build_tokenizer(words).save_pretrained(path)
     return path
+
+
+def build_perturbed_copy(source: Path, path: Path, seed: int, noise: float = 0.1) -> Path:
+    """A drafter that is not the verifier but agrees with it often: `source`'s weights with
+    Gaussian noise of `noise` times each tensor's spread added."""
+    model = AutoModelForCausalLM.from_pretrained(source)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * weight.std() * noise)
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast.from_pretrained(source).save_pretrained(path)
+    return path
