@@ -153,13 +153,12 @@ def assert_resumes_after_kill(command: str, recipe, tmp_path: Path, steps: int, 
     path.write_text(yaml.safe_dump(dict(recipe.__dict__)))
     argv = [sys.executable, "-m", "specdec.cli", command, "--config", str(path)]
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline:
+    deadline = time.monotonic() + 600  # a hang guard: it is killed as soon as the checkpoint is there
+    while not (out / "checkpoint.pt").exists() and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1.0)
     first.kill()
     first.wait()
-    assert (out / "checkpoint.pt").exists()
+    assert (out / "checkpoint.pt").exists(), first.stdout.read()
     second = subprocess.run(argv + list(flags), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from step" in second.stdout

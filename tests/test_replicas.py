@@ -227,27 +227,31 @@ def test_under_serve_replicas_scale_by_sessions_share_them_and_scaling_down_cost
     def verifier_replicas() -> int:
         return serve.status().applications[APP_NAME].deployments["Verifier"].replica_states.get("RUNNING", 0)
 
+    def spread_over(client: CoordinatorClient, replicas: int) -> None:
+        """New sessions (exact) until they use `replicas` replicas of each service: the
+        coordinators learn of replicas come and gone from the directory, read every 2 s (60 s:
+        a hang guard)."""
+        deadline, spread, each = time.monotonic() + 60, None, {"verifier": replicas, "drafter": replicas}
+        while spread != each and time.monotonic() < deadline:
+            results = run_streams(client, PROMPTS, 20)
+            assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
+            spread = {service: len({getattr(stats, f"{service}_replica") for _, stats in results}) for service in each}
+        assert spread == each
+
     with serve_app(config, [{"name": "Drafter", "num_replicas": 2}, {"name": "Verifier", "autoscaling_config": scaling}]) as client:
         assert verifier_replicas() == 1
-        for _ in range(6):  # 6 sessions want 3 replicas of 2 sessions: Serve asks for its max, 2
+        # 6 sessions want 3 replicas of 2 sessions: Serve asks for its max, 2. Streams run until
+        # it has them (180 s: a hang guard).
+        deadline = time.monotonic() + 180
+        while verifier_replicas() < 2 and time.monotonic() < deadline:
             results = run_streams(client, PROMPTS, 100)
             assert [tokens for tokens, _ in results] == expected
-            if verifier_replicas() == 2:
-                break
         assert verifier_replicas() == 2
-        time.sleep(3)  # the new replica has announced itself; the coordinators read the directory every 2 s
-
-        results = run_streams(client, PROMPTS, 20)  # new sessions spread over both replicas of each
-        assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
-        for service in ("verifier", "drafter"):
-            assert len({getattr(stats, f"{service}_replica") for _, stats in results}) == 2
+        spread_over(client, 2)  # new sessions spread over both replicas of each
 
         # Down to one of each; the autoscaling policy stays (a policy change restarts the app).
         one = [{"name": "Drafter", "num_replicas": 1}, {"name": "Verifier", "autoscaling_config": scaling | {"max_replicas": 1}}]
         results = run_streams(client, PROMPTS, 100, between=lambda: deploy_declaratively(config, one))
         assert [tokens for tokens, _ in results] == expected  # the coordinators stayed; moved sessions stayed exact
         assert sum(stats.replica_moves for _, stats in results) >= 1
-        results = run_streams(client, PROMPTS, 20)
-        assert [tokens for tokens, _ in results] == [e[:20] for e in expected]
-        for service in ("verifier", "drafter"):
-            assert len({getattr(stats, f"{service}_replica") for _, stats in results}) == 1
+        spread_over(client, 1)

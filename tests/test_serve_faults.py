@@ -72,9 +72,11 @@ def test_a_killed_drafter_replica_costs_no_request_and_speculation_returns(serve
 @pytest.mark.e2e
 def test_a_killed_verifier_replica_is_found_again_and_the_output_stays_exact(serve_stack, tiny_verifier):
     expected = hf_greedy(tiny_verifier, PROMPT, 30)
-    assert list(serve_stack.generate(generate_request(prompt_token_ids=PROMPT, max_new_tokens=30)).token_ids) == expected
+    before = serve_stack.generate(generate_request(prompt_token_ids=PROMPT, max_new_tokens=30))
+    assert list(before.token_ids) == expected
     _kill("Verifier")
     started = time.monotonic()
     reply = _within(90, lambda: serve_stack.generate(generate_request(prompt_token_ids=PROMPT, max_new_tokens=30), timeout=30))
     assert list(reply.token_ids) == expected
+    assert reply.stats.verifier_replica != before.stats.verifier_replica  # served by the new replica, on its new port
     print(f"served again {time.monotonic() - started:.1f} s after the kill")

@@ -12,9 +12,9 @@ from specdec.core.models import hf_greedy
 from specdec.core.prompts import chat_ids
 from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.rpc import MeasuredClient
-from specdec.serving.wire import VERIFIER_SERVICE
+from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
 from specdec.v1 import common_pb2, verifier_pb2
-from tests.conftest import local_stack, tiny_config
+from tests.conftest import local_stack, service_info, tiny_config
 from tests.stats import assert_matches_distribution
 
 PROMPTS = ["w1 w2 w3", "w7", "w4 w4 w9 w12 w0", "w11 w3 w8 w8 w2 w5 w6"]
@@ -144,8 +144,8 @@ def test_sampling_follows_the_verifier_distribution(tiny_dirs, tiny_verifier):
 
 
 def test_lost_session_is_reopened_with_full_context(tiny_dirs, tiny_verifier):
-    """A verifier that forgets sessions (max_sessions=1 under concurrent load) answers
-    NOT_FOUND; the coordinator re-sends the context and the output stays exact."""
+    """Services that forget sessions (max_sessions=1 under concurrent load) answer NOT_FOUND;
+    the coordinator re-sends the context and the output stays exact."""
     config = tiny_config(tiny_dirs)
     config["limits"] = {"max_sessions": 1}
     with local_stack(config) as stack:
@@ -154,8 +154,12 @@ def test_lost_session_is_reopened_with_full_context(tiny_dirs, tiny_verifier):
         with ThreadPoolExecutor(max_workers=3) as pool:
             answers = list(pool.map(lambda ids: client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=30)), prompts))
         client.close()
+        evicted = {service: service_info(stack[role], service).evicted_sessions for role, service in (("drafter", DRAFTER_SERVICE), ("verifier", VERIFIER_SERVICE))}
     for ids, answer in zip(prompts, answers):
         assert list(answer.token_ids) == hf_greedy(tiny_verifier, ids, 30)
+    # Without them the exactness above would say nothing about re-opening.
+    assert all(count >= 1 for count in evicted.values()), evicted
+    assert sum(answer.stats.session_reopens for answer in answers) >= 1
 
 
 def test_retried_round_commits_once(tiny_stack):
