@@ -41,6 +41,13 @@ class ServiceCall:
     feature_bytes: int = 0  # verifier feature bytes this call carried
     forward_passes: int = 0  # drafter model forwards this call ran
     opened: bool = False  # the call (re)opened the session: its compute includes reading the context
+    handler_ms: float = 0.0  # the whole call inside the service, its compute included
+
+    @property
+    def in_service_ms(self) -> float:
+        """Of the overhead, the time inside the service outside its compute: parsing, the
+        session, the hand-off to its compute thread, building the reply."""
+        return min(max(self.handler_ms - self.compute_ms, 0.0), self.overhead_ms)
 
     @property
     def overhead_ms(self) -> float:
@@ -423,7 +430,7 @@ class PairSession:
                 self._at[replicas.name] = key
                 if self._closed:  # closed meanwhile: this call may have (re)opened the session after EndSession
                     self._end(client)
-                return reply, ServiceCall(reply.compute_ms, cost, opened=reopen)
+                return reply, ServiceCall(reply.compute_ms, cost, opened=reopen, handler_ms=reply.handler_ms)
             except grpc.RpcError as err:
                 if err.code() in _REOPEN and not reopen:
                     reopen = True

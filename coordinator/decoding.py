@@ -33,6 +33,8 @@ class Anatomy:
     verify_compute_ms: float = 0.0
     draft_hop_ms: float = 0.0
     verify_hop_ms: float = 0.0
+    draft_in_service_ms: float = 0.0
+    verify_in_service_ms: float = 0.0
     draft_request_bytes: int = 0
     draft_response_bytes: int = 0
     verify_request_bytes: int = 0
@@ -47,8 +49,10 @@ class Anatomy:
         self.draft_hop_ms += report.draft_wire_ms
         self.verify_hop_ms += report.verify_wire_ms
         if draft_call is not None:
+            self.draft_in_service_ms += draft_call.in_service_ms
             self.draft_request_bytes += draft_call.cost.bytes_sent
             self.draft_response_bytes += draft_call.cost.bytes_received
+        self.verify_in_service_ms += verify_call.in_service_ms
         self.verify_request_bytes += verify_call.cost.bytes_sent
         self.verify_response_bytes += verify_call.cost.bytes_received
 

@@ -102,9 +102,11 @@ def test_round_anatomy_adds_up(tiny_dirs):
         assert anatomy.overhead_ms == pytest.approx(anatomy.round_ms - compute)
         assert anatomy.overhead_ms == pytest.approx(anatomy.draft_hop_ms + anatomy.verify_hop_ms + anatomy.coordinator_ms)
         assert anatomy.verify_hop_ms > 0 and anatomy.verify_request_bytes > 0 and anatomy.verify_response_bytes > 0
+        assert 0 < anatomy.verify_in_service_ms <= anatomy.verify_hop_ms  # the handler's own work is part of the hop
         assert anatomy.round_ms * anatomy.rounds <= stats.total_ms
     anatomy = speculative.speculative_anatomy
     assert anatomy.draft_compute_ms > 0 and anatomy.draft_hop_ms > 0 and anatomy.draft_request_bytes > 0
+    assert 0 < anatomy.draft_in_service_ms <= anatomy.draft_hop_ms
     assert alone.verifier_alone_anatomy.draft_hop_ms == 0 and not alone.speculative_anatomy.rounds
 
 

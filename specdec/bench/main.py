@@ -98,7 +98,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     steering.add_argument("--ood-categories", help="comma-separated categories measured apart (default: those the steered drafter's recipe excluded)")
 
 
-ANATOMY_PARTS = ("round_ms", "draft_compute_ms", "verify_compute_ms", "draft_hop_ms", "verify_hop_ms", "coordinator_ms", "overhead_ms")
+ANATOMY_PARTS = ("round_ms", "draft_compute_ms", "verify_compute_ms", "draft_hop_ms", "verify_hop_ms", "draft_in_service_ms", "verify_in_service_ms",
+                 "coordinator_ms", "overhead_ms")
 HOPS = ("draft", "verify")
 
 
@@ -559,13 +560,14 @@ def _anatomy_rows(results: list[dict]):
 
 
 def format_anatomy(results: list[dict]) -> str:
-    """Means per round, ms: each hop with its loopback floor in brackets."""
+    """Means per round, ms: each hop with its loopback floor in brackets and, after a slash, its
+    part inside the service outside compute."""
     def hop(a: dict, name: str) -> str:
         floor = a[f"{name}_hop_floor_ms"]
-        return f"{a[f'{name}_hop_ms']:.2f}" + (f" [{floor:.2f}]" if floor is not None else "")
+        return f"{a[f'{name}_hop_ms']:.2f}" + (f" [{floor:.2f}]" if floor is not None else "") + f" / {a[f'{name}_in_service_ms']:.2f}"
 
     lines = [
-        "| method | drafter | tree | budget | T | rounds of | rounds | round | draft compute | verify compute | draft hop [floor] | verify hop [floor] | coordinator | overhead (share) |",
+        "| method | drafter | tree | budget | T | rounds of | rounds | round | draft compute | verify compute | draft hop [floor] / in service | verify hop [floor] / in service | coordinator | overhead (share) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, kind, a in _anatomy_rows(results):

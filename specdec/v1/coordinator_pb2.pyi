@@ -129,7 +129,7 @@ class RoundStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., wire_serialization_ms: _Optional[float] = ..., serialization_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., speculation_budget: _Optional[int] = ..., total_ms: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., tree_method: _Optional[str] = ..., bytes_per_round: _Optional[float] = ..., draft_wire_ms: _Optional[float] = ..., verify_wire_ms: _Optional[float] = ..., policy: _Optional[str] = ..., mean_budget: _Optional[float] = ..., plan_rounds: _Optional[_Mapping[str, int]] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., steering: _Optional[bool] = ..., steering_bytes: _Optional[int] = ..., verify_steering_ms: _Optional[float] = ..., draft_steering_ms: _Optional[float] = ..., features: _Optional[bool] = ..., feature_bytes: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., speculative_rounds: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_forward_passes: _Optional[int] = ..., drafter_replica: _Optional[str] = ..., verifier_replica: _Optional[str] = ..., replica_moves: _Optional[int] = ..., session_reopens: _Optional[int] = ..., speculative_anatomy: _Optional[_Union[RoundAnatomy, _Mapping]] = ..., verifier_alone_anatomy: _Optional[_Union[RoundAnatomy, _Mapping]] = ...) -> None: ...
 
 class RoundAnatomy(_message.Message):
-    __slots__ = ("rounds", "round_ms", "draft_compute_ms", "verify_compute_ms", "draft_hop_ms", "verify_hop_ms", "coordinator_ms", "overhead_ms", "draft_request_bytes", "draft_response_bytes", "verify_request_bytes", "verify_response_bytes")
+    __slots__ = ("rounds", "round_ms", "draft_compute_ms", "verify_compute_ms", "draft_hop_ms", "verify_hop_ms", "coordinator_ms", "overhead_ms", "draft_request_bytes", "draft_response_bytes", "verify_request_bytes", "verify_response_bytes", "draft_in_service_ms", "verify_in_service_ms")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class RoundAnatomy(_message.Message):
     DRAFT_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERIFY_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERIFY_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IN_SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_IN_SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     round_ms: float
     draft_compute_ms: float
@@ -154,7 +156,9 @@ class RoundAnatomy(_message.Message):
     draft_response_bytes: float
     verify_request_bytes: float
     verify_response_bytes: float
-    def __init__(self, rounds: _Optional[int] = ..., round_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., draft_hop_ms: _Optional[float] = ..., verify_hop_ms: _Optional[float] = ..., coordinator_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., draft_request_bytes: _Optional[float] = ..., draft_response_bytes: _Optional[float] = ..., verify_request_bytes: _Optional[float] = ..., verify_response_bytes: _Optional[float] = ...) -> None: ...
+    draft_in_service_ms: float
+    verify_in_service_ms: float
+    def __init__(self, rounds: _Optional[int] = ..., round_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., draft_hop_ms: _Optional[float] = ..., verify_hop_ms: _Optional[float] = ..., coordinator_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., draft_request_bytes: _Optional[float] = ..., draft_response_bytes: _Optional[float] = ..., verify_request_bytes: _Optional[float] = ..., verify_response_bytes: _Optional[float] = ..., draft_in_service_ms: _Optional[float] = ..., verify_in_service_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")
