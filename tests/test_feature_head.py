@@ -168,6 +168,8 @@ def test_greedy_output_equals_the_verifier_alone(feature_stack, tiny_verifier, f
 
 
 def test_sampling_through_the_feature_head_follows_the_verifier(feature_stack, tiny_verifier):
+    """Power: a TVD of 0.046 (mass moved between the two likeliest cells) is caught half the
+    time over its 1,500 draws (tests/stats.py detectable_tvd)."""
     # Three tokens: the first comes from the verifier (it brings the prompt's features), the
     # second is drafted by the head and accepted or corrected by rejection sampling.
     sampled_first_two_tokens(feature_stack, tiny_verifier, draws=1500, max_new_tokens=3)

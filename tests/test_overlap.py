@@ -57,7 +57,9 @@ def test_sampling_with_overlap_follows_the_verifier_distribution(tiny_dirs, tiny
     """With one draft per round, a round whose overlapped guess came true commits two tokens
     and the third comes from the round drafted ahead: its marginal must be the verifier's.
     The drafter is the verifier's weights perturbed: its guesses come true often, and its
-    drafts differ from the verifier's distribution (a sampler that always accepts fails)."""
+    drafts differ from the verifier's distribution (a sampler that always accepts fails).
+    Power: a TVD of 0.028 (mass moved between the two likeliest cells) is caught half the time
+    over its 2,500 draws (tests/stats.py detectable_tvd)."""
     temperature, prompt, eos = 0.9, [1, 5, 9], 2
     with torch.inference_mode():
         def probs(prefixes):

@@ -86,7 +86,9 @@ def _targets(tree: DraftTree) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_chain_sampling_is_exact(seed):
-    """Leviathan/Chen on a 2-token chain drawn from q: residual and bonus tokens included."""
+    """Leviathan/Chen on a 2-token chain drawn from q: residual and bonus tokens included.
+    Power: a TVD of 0.018 (mass moved between the two likeliest cells) is caught half the time
+    over its 6,000 draws (tests/stats.py detectable_tvd)."""
     generator = torch.Generator().manual_seed(100 + seed)
     draws = 6000
     counts = torch.zeros(VOCAB, VOCAB)
@@ -100,7 +102,9 @@ def test_chain_sampling_is_exact(seed):
 
 def test_tree_without_replacement_is_exact():
     """Three root children drawn from q without replacement (Gumbel-top-k), each with one
-    sampled child: the RSD residual rule must reproduce the verifier's joint distribution."""
+    sampled child: the RSD residual rule must reproduce the verifier's joint distribution.
+    Power: a TVD of 0.018 (mass moved between the two likeliest cells) is caught half the time
+    over its 6,000 draws (tests/stats.py detectable_tvd)."""
     generator = torch.Generator().manual_seed(7)
     draws = 6000
     counts = torch.zeros(VOCAB, VOCAB)
@@ -118,7 +122,9 @@ def test_tree_without_replacement_is_exact():
 
 
 def test_point_mass_children_are_exact():
-    """Deterministic top-3 children (EAGLE-style): accept with p(x), else remove x from p."""
+    """Deterministic top-3 children (EAGLE-style): accept with p(x), else remove x from p.
+    Power: a TVD of 0.018 (mass moved between the two likeliest cells) is caught half the time
+    over its 6,000 draws (tests/stats.py detectable_tvd)."""
     firsts = torch.topk(_Q0, 3).indices.tolist()
     tree = DraftTree(firsts, [ROOT] * 3)
     generator = torch.Generator().manual_seed(3)

@@ -264,6 +264,8 @@ def test_steering_changes_the_drafts_and_costs_two_vectors_per_round(steered_sta
 
 
 def test_steered_sampling_follows_the_verifier_distribution(steered_stack, verifier4):
+    """Power: a TVD of 0.038 (mass moved between the two likeliest cells) is caught half the
+    time over its 1,500 draws (tests/stats.py detectable_tvd)."""
     # One draft token per round: whenever the first is rejected, the second token comes from
     # a round drafted with the steering vector.
     sampled_first_two_tokens(steered_stack, verifier4, draws=1500, num_draft_tokens=1, steering=True)
