@@ -48,7 +48,8 @@ def cmd_serve(args) -> int:
 
     print("starting Ray Serve: drafter, verifier and coordinator (first start converts the default model once)...", flush=True)
     try:
-        if is_oracle(build_config(_app_args(args)).drafter.model.source):
+        config = build_config(_app_args(args))
+        if is_oracle(config.drafter.model.source):
             raise ConfigError(f"drafter.model: {NOT_SERVED}")
         address = start_stack(_app_args(args), args.port, args.ray_address, http_port=args.http_port, grpc_proxy_port=args.grpc_proxy_port)
     except ConfigError as err:
@@ -59,7 +60,6 @@ def cmd_serve(args) -> int:
     if args.demo:
         from specdec.serving.client import server_ca, server_token
 
-        config = build_config(_app_args(args))
         _stream_to_terminal(address, args.demo, server_token(config), server_ca(config), max_new_tokens=128, temperature=0.0, use_chat_template=True)
     print("Ctrl-C to stop.", flush=True)
     stop = threading.Event()
