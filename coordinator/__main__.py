@@ -7,6 +7,7 @@ import logging
 
 from coordinator.server import start
 from specdec.serving.config import ConfigError, load_config
+from specdec.serving.launch import in_process_services
 from specdec.serving.rpc import serve_until_terminated
 
 
@@ -24,11 +25,11 @@ def main() -> None:
         parser.error(str(err))
     drafter = args.drafter or config.coordinator.drafter_address
     verifier = args.verifier or config.coordinator.verifier_address
-    if not verifier or not (drafter or config.coordinator.drafter_in_process):
+    if not (verifier or config.coordinator.verifier_in_process) or not (drafter or config.coordinator.drafter_in_process):
         parser.error("give the drafter and verifier addresses (--drafter/--verifier or coordinator.*_address)")
     if args.port is not None:
         config.coordinator.port = args.port
-    server, port, _ = start(config, drafter, verifier)
+    server, port, _ = start(config, drafter, verifier, local=in_process_services(config))
     print(f"coordinator serving specdec.v1.Coordinator on {config.coordinator.host}:{port}", flush=True)
     serve_until_terminated(server)
 

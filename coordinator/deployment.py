@@ -30,8 +30,9 @@ ANNOUNCE_WAIT_S = 60.0  # a model replica announces itself right after it starts
 @serve.deployment(name="Coordinator")
 @serve.ingress()
 class CoordinatorDeployment(GrpcReplica):
-    def __init__(self, config: dict, drafter: DeploymentHandle | None, verifier: DeploymentHandle):
-        """drafter is None when it runs inside the coordinator (coordinator.drafter_in_process)."""
+    def __init__(self, config: dict, drafter: DeploymentHandle | None, verifier: DeploymentHandle | None, in_process_services):
+        """A service's handle is None when it runs inside the coordinator (coordinator.drafter_in_process,
+        coordinator.verifier_in_process); in_process_services(config) builds those here."""
         parsed = config_from_dict(config)
         directory = replica_directory(serve.get_replica_context().app_name)
         services = {"drafter": DRAFTER_SERVICE, "verifier": VERIFIER_SERVICE}
@@ -45,7 +46,7 @@ class CoordinatorDeployment(GrpcReplica):
                 if handle is not None:
                     handle.address.remote().result()  # Serve answers once a replica is up
                     _until(lambda: discover(name), ANNOUNCE_WAIT_S, f"no {name} replica announced itself")
-            return start(parsed, None, None, RequestMetrics().record, discover)
+            return start(parsed, None, None, RequestMetrics().record, discover, in_process_services(parsed))
 
         # The constructor runs on the replica's event loop, where blocking calls are refused.
         with ThreadPoolExecutor(max_workers=1) as pool:

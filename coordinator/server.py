@@ -285,20 +285,21 @@ def serve(coordinator: Coordinator, host: str, port: int, tls: TlsConfig = TlsCo
     return server, bound
 
 
-def start(config, drafter_address: str | None, verifier_address: str | None, on_finished=None, discover=None):
+def start(config, drafter_address: str | None, verifier_address: str | None, on_finished=None, discover=None, local: dict | None = None):
     """Connects to both services, checks the pair, and starts the client API; returns
     (grpc server, bound port, coordinator). An address may list several replicas,
     comma-separated. `discover(name)` -> {replica id: address}: the replicas of "drafter" or
     "verifier" there are now (Ray Serve's replica directory); with it the addresses are not
-    used. With coordinator.drafter_in_process the drafter (one without a model) runs here
-    instead. Health says NOT_SERVING while no verifier replica answers."""
-    if config.coordinator.drafter_in_process:
-        from drafter_service.server import in_process
+    used. `local` = {"drafter" or "verifier": an in-process client}: a service that runs in
+    this process instead (coordinator.drafter_in_process, coordinator.verifier_in_process).
+    Health says NOT_SERVING while no verifier replica answers."""
+    local = local or {}
 
-        drafter = Replicas.of("drafter", in_process(config.drafter, config.limits))
-    else:
-        drafter = _replicas(config, "drafter", drafter_address, discover)
-    pair = ServicePair(drafter, _replicas(config, "verifier", verifier_address, discover), config.coordinator.request_timeout_s)
+    def replicas(name: str, address: str | None) -> Replicas:
+        return Replicas.of(name, local[name]) if name in local else _replicas(config, name, address, discover)
+
+    drafter, verifier = replicas("drafter", drafter_address), replicas("verifier", verifier_address)
+    pair = ServicePair(drafter, verifier, config.coordinator.request_timeout_s)
     coordinator = Coordinator(config.coordinator, config.limits, pair, config.verifier.model.source, on_finished)
     if config.resolved_steering_checkpoint() and coordinator.steering_problem:
         log.warning("requests will not be steered: %s", coordinator.steering_problem)

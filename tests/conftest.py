@@ -54,20 +54,27 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def local_stack(config_dict: dict):
-    """Drafter, verifier and coordinator as plain gRPC servers in this process."""
+    """Drafter, verifier and coordinator as plain gRPC servers in this process (a service the
+    config runs inside the coordinator gets no server of its own)."""
     import coordinator.server
     import drafter_service.server
     import verifier_service.server
+    from specdec.serving.launch import in_process_services
 
     config = config_from_dict(config_dict)
     config.coordinator.port = 0
-    v_server, v_port = verifier_service.server.start(config.verifier, **config.service_args("verifier"))
-    d_server, d_port = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
-    c_server, c_port, coord = coordinator.server.start(config, f"localhost:{d_port}", f"localhost:{v_port}")
+    local = in_process_services(config)
+    servers, addresses = [], {}
+    for name, service in (("verifier", verifier_service.server), ("drafter", drafter_service.server)):
+        if name not in local:
+            server, port = service.start(getattr(config, name), **config.service_args(name))
+            servers.append(server)
+            addresses[name] = f"localhost:{port}"
+    c_server, c_port, coord = coordinator.server.start(config, addresses.get("drafter"), addresses.get("verifier"), local=local)
     try:
-        yield {"coordinator": f"localhost:{c_port}", "drafter": f"localhost:{d_port}", "verifier": f"localhost:{v_port}", "coordinator_obj": coord}
+        yield {"coordinator": f"localhost:{c_port}", **addresses, "coordinator_obj": coord}
     finally:
-        for server in (c_server, d_server, v_server):
+        for server in (c_server, *servers):
             server.stop(grace=None)
         coord.pair.close()
 

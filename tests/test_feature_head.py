@@ -167,6 +167,25 @@ def test_greedy_output_equals_the_verifier_alone(feature_stack, tiny_verifier, f
     client.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_coordinator_running_the_verifier_decodes_exactly(tiny_dirs, head_dir, tiny_verifier, overlap):
+    """coordinator.verifier_in_process: the verifier (features included) is called in the
+    coordinator's process and the drafter over gRPC; rounds cross one link."""
+    config = _config(tiny_dirs, head_dir, verifier_in_process=True, overlap=overlap, num_draft_tokens=6, tree={"method": "dynamic", "width": 2})
+    with local_stack(config) as stack:
+        assert "verifier" not in stack and "drafter" in stack  # no verifier server
+        client = CoordinatorClient(stack["coordinator"])
+        for prompt in ([1, 4, 5], [1, 9, 3, 3, 8]):
+            reply = client.generate(generate_request(prompt_token_ids=prompt, max_new_tokens=24))
+            assert list(reply.token_ids) == hf_greedy(tiny_verifier, prompt, 24)
+            stats = reply.stats
+            assert stats.verifier_replica.startswith("in-process:") and stats.speculative_rounds > 0 and stats.feature_bytes > 0
+            # The verify call serializes nothing; the draft call still crosses gRPC.
+            anatomy = stats.speculative_anatomy
+            assert anatomy.verify_hop_ms < anatomy.draft_hop_ms, anatomy
+        client.close()
+
+
 def test_sampling_through_the_feature_head_follows_the_verifier(feature_stack, tiny_verifier):
     """Power: a TVD of 0.046 (mass moved between the two likeliest cells) is caught half the
     time over its 1,500 draws (tests/stats.py detectable_tvd)."""

@@ -183,21 +183,13 @@ def test_sampling_with_ngram_drafts_follows_the_verifier_distribution(tiny_dirs,
 
 
 def test_a_model_free_drafter_runs_inside_the_coordinator(tiny_dirs, tiny_verifier):
-    import coordinator.server
-    import verifier_service.server
-
-    config = config_from_dict({**ngram_config(tiny_dirs, "suffix"), "coordinator": {"port": 0, "drafter_in_process": True, "num_draft_tokens": 4, "adaptive": {"enabled": False}}})
-    v_server, v_port = verifier_service.server.start(config.verifier)
-    c_server, c_port, coord = coordinator.server.start(config, None, f"localhost:{v_port}")
-    try:
-        client = CoordinatorClient(f"localhost:{c_port}")
+    config = {**ngram_config(tiny_dirs, "suffix"), "coordinator": {"drafter_in_process": True, "num_draft_tokens": 4, "adaptive": {"enabled": False}}}
+    with local_stack(config) as stack:
+        assert "drafter" not in stack  # no drafter server
+        client = CoordinatorClient(stack["coordinator"])
         ids = [11, 4, 8, 12, 6, 11, 4, 8]
         response = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=40))
         client.close()
-    finally:
-        c_server.stop(grace=None)
-        v_server.stop(grace=None)
-        coord.pair.close()
     assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40)
     # It drafted, and from this process: no gRPC link to a drafter service.
     assert response.stats.drafted_tokens > 0 and response.stats.drafter_replica.startswith("in-process:"), response.stats.drafter_replica

@@ -9,7 +9,7 @@ from specdec.core.batching import Batcher
 from specdec.core.engine import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.serving.config import LimitsConfig
-from specdec.serving.rpc import invalid, reports_errors, start_model_server
+from specdec.serving.rpc import InProcessClient, invalid, reports_errors, start_model_server
 from specdec.serving.sessions import dropped_on_failure
 from specdec.serving.wire import (
     VERIFIER_SERVICE,
@@ -72,16 +72,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 
+def _servicer(config, steering_checkpoint: str | None, feature_checkpoint: str | None, limits: LimitsConfig) -> VerifierServicer:
+    compute = ComputeThread()
+    compute.run(set_torch_threads, config.torch_threads)
+    engine = compute.run(
+        VerifierEngine, config.model, steering_checkpoint, feature_checkpoint, limits, config.prefix_cache_mib,
+    )
+    return VerifierServicer(engine, compute)
+
+
+def in_process(
+    config, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(),
+) -> InProcessClient:
+    """The verifier inside the caller's process (the coordinator's, so a round crosses the
+    network once, to the drafter)."""
+    return InProcessClient(_servicer(config, steering_checkpoint, feature_checkpoint, limits), config.model.source)
+
+
 def start(
     config, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(),
     service_token: str = "",
 ) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering or feature head checkpoint) and starts
     serving it; returns (grpc server, bound port). With `service_token`, callers must show it."""
-    compute = ComputeThread()
-    compute.run(set_torch_threads, config.torch_threads)
-    engine = compute.run(
-        VerifierEngine, config.model, steering_checkpoint, feature_checkpoint, limits, config.prefix_cache_mib,
-    )
-    servicer = VerifierServicer(engine, compute)
+    servicer = _servicer(config, steering_checkpoint, feature_checkpoint, limits)
     return start_model_server(lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), VERIFIER_SERVICE, config.host, config.port, limits, service_token)

@@ -40,6 +40,7 @@ from specdec.core.tree import TREE_METHODS, TreeShape
 from specdec.serving.cli_args import add_tree_arguments, tree_overrides
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
+SPLIT, COLOCATED = "split", "colocated"  # --placements: where the verifier runs
 STAGED_LOOKAHEAD = 4  # the `staged` drafter's n-gram guesses, unless the config sets its own
 
 
@@ -71,6 +72,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--hf-assistant", help="the drafter of `hf_assisted` (default: the config's drafter, or the built-in distilled drafter where that one is a feature head)")
     add_tree_arguments(parser, with_method=False)
+    parser.add_argument(
+        "--placements",
+        help="comma-separated verifier placements, each drafter measured in a stack of each (default: the config's): "
+        "split (the verifier a deployment of its own: a round crosses two links), colocated (the verifier inside the "
+        "coordinator, coordinator.verifier_in_process: one link); with two, rows are named PLACEMENT/NAME and each is "
+        "compared with the verifier alone in its own placement",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", help="YAML config for the stack (models, placement, speculation)")
     parser.add_argument("--port", type=int, default=50061, help="client port of the stack the bench starts")
@@ -280,8 +288,11 @@ def run_bench(args) -> int:
         return 0
     entries = args.drafters.split(",") if args.drafters else [config.drafter.model.source]
     sources = list(dict.fromkeys(entry.split(":")[0] for entry in entries))
-    if args.address and (len(sources) > 1 or ORACLE in sources):
-        raise SystemExit("--drafters with several drafters, or the oracle, starts its own stacks; leave out --address")
+    placements = args.placements.split(",") if args.placements else [COLOCATED if config.coordinator.verifier_in_process else SPLIT]
+    if unknown := set(placements) - {SPLIT, COLOCATED}:
+        raise SystemExit(f"--placements: unknown placement {sorted(unknown)[0]!r}; use {SPLIT} or {COLOCATED}")
+    if args.address and (len(sources) > 1 or ORACLE in sources or len(placements) > 1):
+        raise SystemExit("--drafters with several drafters, the oracle, or several --placements start their own stacks; leave out --address")
     # The oracle's reference table: empty while the stacks start, then recorded through them.
     references = Path(args.out).resolve().with_name(Path(args.out).stem + "_oracle")
     if ORACLE in sources:
@@ -292,12 +303,12 @@ def run_bench(args) -> int:
         for source in sources
     }
     clients = {}
-    for j, source in enumerate(sources):  # one stack per drafter, side by side
+    for j, (placement, source) in enumerate((p, s) for p in placements for s in sources):  # one stack each, side by side
         # No prefix cache: every method decodes each prompt once, and a verifier that kept the
         # prompt's keys and values would prefill it only for the method that ran first.
         stack_args = {
-            **app_args, "coordinator": {"port": args.port + j}, "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1, references),
-            "verifier": {"prefix_cache_mib": 0},
+            **app_args, "coordinator": {"port": args.port + j, "verifier_in_process": placement == COLOCATED},
+            "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1, references), "verifier": {"prefix_cache_mib": 0},
         }
         if args.address:
             address = args.address
@@ -305,7 +316,7 @@ def run_bench(args) -> int:
             address = start_stack(stack_args, args.port, proxies=False)
         else:
             address = deploy(stack_args, args.port + j, name=f"{APP_NAME}-{j}")
-        clients[source] = CoordinatorClient(address, server_token(config))
+        clients[placement, source] = CoordinatorClient(address, server_token(config))
     verifier = load_model(config.verifier.model)
     assistant = args.hf_assistant or _hf_assistant(config.drafter.model.source)
     drafter = load_model(dataclasses.replace(config.drafter.model, source=assistant))
@@ -314,7 +325,7 @@ def run_bench(args) -> int:
 
     def through_services(
         i: int, budget: int | None, temperature: float, shape: TreeShape | None = None, entry: str | None = None, adaptive: bool = False,
-        max_new_tokens: int = args.max_new_tokens,
+        max_new_tokens: int = args.max_new_tokens, placement: str = placements[0],
     ):
         source, _, option = (entry or sources[0]).partition(":")
         request = generate_request(
@@ -328,7 +339,7 @@ def run_bench(args) -> int:
             **({"steering": False} if option == "unsteered" else {}),
         )
         start = time.perf_counter()
-        response = clients[source].generate(request)
+        response = clients[placement, source].generate(request)
         return response, time.perf_counter() - start
 
     def in_process(i: int, model, assisted: bool, temperature: float, prompt_lookup: bool = False):
@@ -348,25 +359,28 @@ def run_bench(args) -> int:
             )
         return out[0, inputs.shape[1] :].tolist(), time.perf_counter() - start
 
-    # (name, method, drafter, tree, budget, runner(prompt index, temperature) -> service response or token ids, seconds)
-    methods = [("autoregressive", "autoregressive", None, None, 0, lambda i, t: through_services(i, 0, t))]
-    methods += [
-        (
-            f"{entry}:{tree}_b{b}" if len(entries) > 1 else f"{tree}_b{b}", "speculative", entry, tree, b,
-            lambda i, t, b=b, tree=tree, entry=entry: through_services(i, b, t, shapes[tree], entry),
-        )
-        for entry in entries
-        for tree in trees
-        for b in budgets
-    ]
-    if args.adaptive:
-        methods.append(("adaptive", "adaptive", sources[0], None, None, lambda i, t: through_services(i, None, t, adaptive=True)))
+    # (name, placement, method, drafter, tree, budget, runner(prompt index, temperature) -> service response or token ids, seconds)
+    methods = []
+    for placement in placements:
+        named = (lambda name: f"{placement}/{name}") if len(placements) > 1 else (lambda name: name)
+        methods.append((named("autoregressive"), placement, "autoregressive", None, None, 0, lambda i, t, p=placement: through_services(i, 0, t, placement=p)))
+        methods += [
+            (
+                named(f"{entry}:{tree}_b{b}" if len(entries) > 1 else f"{tree}_b{b}"), placement, "speculative", entry, tree, b,
+                lambda i, t, b=b, tree=tree, entry=entry, p=placement: through_services(i, b, t, shapes[tree], entry, placement=p),
+            )
+            for entry in entries
+            for tree in trees
+            for b in budgets
+        ]
+        if args.adaptive:
+            methods.append((named("adaptive"), placement, "adaptive", sources[0], None, None, lambda i, t, p=placement: through_services(i, None, t, adaptive=True, placement=p)))
     if any(is_model_free(s) or s == "hybrid" for s in sources):
-        methods.append(("hf_prompt_lookup", "hf_prompt_lookup", None, None, None, lambda i, t: in_process(i, verifier, False, t, prompt_lookup=True)))
+        methods.append(("hf_prompt_lookup", None, "hf_prompt_lookup", None, None, None, lambda i, t: in_process(i, verifier, False, t, prompt_lookup=True)))
     methods += [
-        ("hf_assisted", "hf_assisted", assistant, None, None, lambda i, t: in_process(i, verifier, True, t)),
-        ("hf_generate", "hf_generate", None, None, None, lambda i, t: in_process(i, verifier, False, t)),
-        ("hf_generate_fp32", "hf_generate_fp32", None, None, None, lambda i, t: in_process(i, verifier_fp32, False, t)),
+        ("hf_assisted", None, "hf_assisted", assistant, None, None, lambda i, t: in_process(i, verifier, True, t)),
+        ("hf_generate", None, "hf_generate", None, None, None, lambda i, t: in_process(i, verifier, False, t)),
+        ("hf_generate_fp32", None, "hf_generate_fp32", None, None, None, lambda i, t: in_process(i, verifier_fp32, False, t)),
     ]
     results = []
     try:
@@ -375,8 +389,8 @@ def run_bench(args) -> int:
         for temperature in temperatures:
             for warm in clients.values():
                 warm.generate(generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature))
-            if args.adaptive:  # untimed, as in the RTT sweep: the controller measures every plan first
-                through_services(len(prompt_ids) - 1, None, temperature, adaptive=True, max_new_tokens=4 * args.max_new_tokens)
+            for placement in placements if args.adaptive else ():  # untimed, as in the RTT sweep: the controller measures every plan first
+                through_services(len(prompt_ids) - 1, None, temperature, adaptive=True, max_new_tokens=4 * args.max_new_tokens, placement=placement)
             tallies = {name: Tally() for name, *_ in methods}
             # Interleaved: every prompt visits every method in turn, so drift hits all alike.
             for i in tqdm(range(len(prompt_ids)), desc=f"T={temperature}", unit="prompt"):
@@ -386,11 +400,12 @@ def run_bench(args) -> int:
                         tallies[name].add(answer, seconds)
                     else:
                         tallies[name].add_service(answer, seconds)
-            alone = tallies["autoregressive"]
-            for name, method, drafter_name, tree, budget, _ in methods:
-                tally = tallies[name]
+            alone_in = {placement: tallies[name] for name, placement, method, *_ in methods if method == "autoregressive"}
+            for name, placement, method, drafter_name, tree, budget, _ in methods:
+                tally, alone = tallies[name], alone_in[placement or placements[0]]
                 row = {
                     "name": name,
+                    "placement": placement,
                     "drafter": drafter_name,
                     "method": method,
                     "tree": tree,
@@ -436,6 +451,7 @@ def run_bench(args) -> int:
             "verifier": config.verifier.model.__dict__,
             "drafter": config.drafter.model.__dict__,
             "drafters": entries,
+            "placements": placements,
             "hf_assistant": assistant,
             "prompts": args.prompts,
             "question_ids": [p["question_id"] for p in prompts],
@@ -520,12 +536,12 @@ def format_table(results: list[dict]) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [
-        "| method | drafter | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | accepted/round | tokens/verify call | draft forwards/round | bytes/round | wire share | greedy = verifier alone |",
+        "| name | drafter | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | accepted/round | tokens/verify call | draft forwards/round | bytes/round | wire share | greedy = verifier alone |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['method']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
+            f"| {r['name']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | {r['tokens_per_second']:.2f} | "
             f"{_ratio(r['vs_autoregressive'])} | {_ratio(r['vs_hf_assisted'])} | {_ratio(r['vs_hf_generate_fp32'])} | "
             f"{fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['tokens_per_verify_call'], '.2f')} | "
             f"{fmt(r.get('draft_forwards_per_round'), '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
@@ -536,12 +552,12 @@ def format_table(results: list[dict]) -> str:
 
 def add_hop_floors(results: list[dict]) -> None:
     """Sets each hop's floor in the rows' round anatomy: a bare loopback gRPC call carrying the
-    hop's median payload (measured once per payload)."""
+    hop's median payload (measured once per payload); none for a verifier in the coordinator's process."""
     floors: dict[tuple[int, int], float] = {}
-    kinds = [kind for r in results for kind in (r["round_anatomy"] or {}).values() if kind is not None]
-    for kind, hop in ((kind, hop) for kind in kinds for hop in HOPS):
+    kinds = [(r, kind) for r in results for kind in (r["round_anatomy"] or {}).values() if kind is not None]
+    for r, kind, hop in ((r, kind, hop) for r, kind in kinds for hop in HOPS):
         payload = kind[f"{hop}_payload_bytes"]
-        if payload is None:
+        if payload is None or (hop == "verify" and r.get("placement") == COLOCATED):  # an in-process call has no wire
             kind[f"{hop}_hop_floor_ms"] = None
             continue
         if tuple(payload) not in floors:
@@ -567,12 +583,12 @@ def format_anatomy(results: list[dict]) -> str:
         return f"{a[f'{name}_hop_ms']:.2f}" + (f" [{floor:.2f}]" if floor is not None else "") + f" / {a[f'{name}_in_service_ms']:.2f}"
 
     lines = [
-        "| method | drafter | tree | budget | T | rounds of | rounds | round | draft compute | verify compute | draft hop [floor] / in service | verify hop [floor] / in service | coordinator | overhead (share) |",
+        "| name | drafter | tree | budget | T | rounds of | rounds | round | draft compute | verify compute | draft hop [floor] / in service | verify hop [floor] / in service | coordinator | overhead (share) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, kind, a in _anatomy_rows(results):
         lines.append(
-            f"| {r['method']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {'-' if r['budget'] is None else r['budget']} | {r['temperature']:g} | "
+            f"| {r['name']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {'-' if r['budget'] is None else r['budget']} | {r['temperature']:g} | "
             f"{kind.replace('_', ' ')} | {a['rounds']} | {a['round_ms']:.2f} | {a['draft_compute_ms']:.2f} | {a['verify_compute_ms']:.2f} | "
             f"{hop(a, 'draft')} | {hop(a, 'verify')} | {a['coordinator_ms']:.2f} | {a['overhead_ms']:.2f} ({a['overhead_ms'] / a['round_ms']:.0%}) |"
         )

@@ -13,6 +13,7 @@ from ray.serve import Application
 from coordinator.deployment import CoordinatorDeployment
 from drafter_service.deployment import DrafterDeployment
 from specdec.serving.config import Config, config_from_dict, config_to_dict, load_config
+from specdec.serving.launch import in_process_services
 from verifier_service.deployment import VerifierDeployment
 
 
@@ -33,9 +34,12 @@ def with_service_token(config: Config) -> Config:
 def build_app(args: dict | None = None) -> Application:
     config = with_service_token(build_config(args))
     as_dict = config_to_dict(config)
-    drafter = None if config.coordinator.drafter_in_process else DrafterDeployment.options(**_scaling(config.drafter)).bind(as_dict)
-    verifier = VerifierDeployment.options(**_scaling(config.verifier)).bind(as_dict)
-    return CoordinatorDeployment.options(**_scaling(config.coordinator)).bind(as_dict, drafter, verifier)
+    here = config.coordinator
+    drafter = None if here.drafter_in_process else DrafterDeployment.options(**_scaling(config.drafter)).bind(as_dict)
+    verifier = None if here.verifier_in_process else VerifierDeployment.options(**_scaling(config.verifier)).bind(as_dict)
+    # A coordinator that runs the verifier goes where the verifier would, as many times.
+    placement = config.verifier if here.verifier_in_process else here
+    return CoordinatorDeployment.options(**_scaling(placement)).bind(as_dict, drafter, verifier, in_process_services)
 
 
 def _scaling(service) -> dict:

@@ -180,6 +180,9 @@ class CoordinatorConfig:
     # A drafter without a model (prompt-lookup, suffix) runs inside the coordinator: no drafter
     # service and no drafter round trip per round.
     drafter_in_process: bool = False
+    # The verifier runs inside each coordinator replica, on the verifier's placement: a round
+    # crosses the network once, to the drafter (target-driven placement).
+    verifier_in_process: bool = False
     network: NetworkConfig = field(default_factory=NetworkConfig)
     overlap: bool = False  # draft the next round while the verifier checks this one (PEARL)
     steering: bool = True  # SD²: requests steer the drafter by default whenever the pair has a steering checkpoint
@@ -295,6 +298,8 @@ class Config:
             raise ConfigError("drafter.staged_lookahead must be in [0, limits.max_draft_tokens]")
         if self.coordinator.drafter_in_process and not is_model_free(drafter):
             raise ConfigError("coordinator.drafter_in_process needs a drafter without a model: drafter.model prompt-lookup or suffix")
+        if self.coordinator.verifier_in_process and self.coordinator.network.verifier.active:
+            raise ConfigError("coordinator.network.verifier emulates a link to a verifier that coordinator.verifier_in_process runs in the coordinator's own process: set one of them")
         try:
             self.drafter.ngram.validate(model_free=is_model_free(self.drafter.model.source))
         except ValueError as err:
