@@ -58,6 +58,7 @@ def test_default_config_is_the_builtin_pair():
         ({"limits": {"max_draft_tokens": 2}}, "coordinator.num_draft_tokens must be in"),  # the default budget is 4
         ({"limits": {"max_fused_tokens": 4}}, "fused_block_tokens must be <= limits.max_fused_tokens"),
         ({"coordinator": {"max_concurrent_requests": 4}}, "unknown key coordinator.max_concurrent_requests"),  # it is in limits
+        ({"coordinator": {"verifier_in_process": True, "network": {"verifier": {"rtt_ms": 5}}}}, "coordinator.network.verifier emulates a link to a verifier"),
     ],
 )
 def test_config_errors_name_the_key(data, phrase):

@@ -80,3 +80,27 @@ def test_a_killed_verifier_replica_is_found_again_and_the_output_stays_exact(ser
     assert list(reply.token_ids) == expected
     assert reply.stats.verifier_replica != before.stats.verifier_replica  # served by the new replica, on its new port
     print(f"served again {time.monotonic() - started:.1f} s after the kill")
+
+
+@pytest.mark.e2e
+def test_a_coordinator_running_the_verifier_serves_exactly_under_serve(serve_stack, tiny_dirs, tiny_verifier):
+    """coordinator.verifier_in_process under Ray Serve: the application has no Verifier
+    deployment, the coordinator replica runs the verifier, and rounds still cross to the
+    drafter's replica."""
+    from ray import serve
+
+    from specdec.serving.launch import deploy
+
+    port = free_port()
+    address = deploy(tiny_config(tiny_dirs, port=port, verifier_in_process=True), port, name="colocated")
+    try:
+        deployments = set(serve.status().applications["colocated"].deployments)
+        assert deployments == {"Coordinator", "Drafter"}, deployments
+        client = CoordinatorClient(address)
+        reply = client.generate(generate_request(prompt_token_ids=PROMPT, max_new_tokens=30, num_draft_tokens=3))
+        client.close()
+        assert list(reply.token_ids) == hf_greedy(tiny_verifier, PROMPT, 30)
+        assert reply.stats.verifier_replica.startswith("in-process:") and reply.stats.speculative_rounds > 0
+        assert not reply.stats.drafter_replica.startswith("in-process:")
+    finally:
+        serve.delete("colocated")

@@ -13,7 +13,6 @@ from ray.serve import Application
 from coordinator.deployment import CoordinatorDeployment
 from drafter_service.deployment import DrafterDeployment
 from specdec.serving.config import Config, config_from_dict, config_to_dict, load_config
-from specdec.serving.launch import in_process_services
 from verifier_service.deployment import VerifierDeployment
 
 
@@ -40,6 +39,23 @@ def build_app(args: dict | None = None) -> Application:
     # A coordinator that runs the verifier goes where the verifier would, as many times.
     placement = config.verifier if here.verifier_in_process else here
     return CoordinatorDeployment.options(**_scaling(placement)).bind(as_dict, drafter, verifier, in_process_services)
+
+
+def in_process_services(config) -> dict:
+    """The services the config runs inside the coordinator's process, built there:
+    {"drafter" or "verifier": an in-process client} (coordinator.drafter_in_process,
+    coordinator.verifier_in_process)."""
+    from drafter_service.server import in_process as drafter_here
+    from verifier_service.server import in_process as verifier_here
+
+    local = {}
+    if config.coordinator.drafter_in_process:
+        local["drafter"] = drafter_here(config.drafter, config.limits)
+    if config.coordinator.verifier_in_process:
+        args = config.service_args("verifier")
+        del args["service_token"]  # no call crosses a network to it
+        local["verifier"] = verifier_here(config.verifier, **args)
+    return local
 
 
 def _scaling(service) -> dict:

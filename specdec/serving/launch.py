@@ -60,23 +60,6 @@ def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_
     return address
 
 
-def in_process_services(config) -> dict:
-    """The services the config runs inside the coordinator's process, built there:
-    {"drafter" or "verifier": an in-process client} (coordinator.drafter_in_process,
-    coordinator.verifier_in_process)."""
-    from drafter_service.server import in_process as drafter_here
-    from verifier_service.server import in_process as verifier_here
-
-    local = {}
-    if config.coordinator.drafter_in_process:
-        local["drafter"] = drafter_here(config.drafter, config.limits)
-    if config.coordinator.verifier_in_process:
-        args = config.service_args("verifier")
-        del args["service_token"]  # no call crosses a network to it
-        local["verifier"] = verifier_here(config.verifier, **args)
-    return local
-
-
 def start_local_ray(attempts: int = 3) -> None:
     """A local Ray head on this machine's cores. On a loaded 2-core machine, right after another
     Ray instance stopped, its GCS or raylet can miss one of Ray's fixed start-up deadlines (seen
