@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.bench.loopback import loopback_call_ms
+from specdec.bench.network import COLOCATED, SPLIT
 from specdec.bench.stats import paired_ratio_interval, turn_order
 from specdec.core.ngram import is_model_free
 from specdec.core.oracle import ORACLE, write_references
@@ -40,7 +41,6 @@ from specdec.core.tree import TREE_METHODS, TreeShape
 from specdec.serving.cli_args import add_tree_arguments, tree_overrides
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
-SPLIT, COLOCATED = "split", "colocated"  # --placements: where the verifier runs
 STAGED_LOOKAHEAD = 4  # the `staged` drafter's n-gram guesses, unless the config sets its own
 
 
@@ -219,6 +219,9 @@ def run_bench(args) -> int:
     config = build_config(app_args)
     tokenizer = load_tokenizer(config.verifier.model.source)
     prompt_ids = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
+    placements = args.placements.split(",") if args.placements else [COLOCATED if config.coordinator.verifier_in_process else SPLIT]
+    if unknown := set(placements) - {SPLIT, COLOCATED}:
+        raise SystemExit(f"--placements: unknown placement {sorted(unknown)[0]!r}; use {SPLIT} or {COLOCATED}")
     if args.cost_curve:
         from specdec.bench.cost import (
             format_cost_curve,
@@ -271,7 +274,7 @@ def run_bench(args) -> int:
     if args.rtt_sweep:
         from specdec.bench.network import format_sweep, run_rtt_sweep, write_sweep
 
-        report = run_rtt_sweep(args, config, prompt_ids, app_args)
+        report = run_rtt_sweep(args, config, prompt_ids, app_args, placements)
         report["config"] = {
             "verifier": config.verifier.model.__dict__,
             "prefix_cache_mib": 0,
@@ -288,9 +291,6 @@ def run_bench(args) -> int:
         return 0
     entries = args.drafters.split(",") if args.drafters else [config.drafter.model.source]
     sources = list(dict.fromkeys(entry.split(":")[0] for entry in entries))
-    placements = args.placements.split(",") if args.placements else [COLOCATED if config.coordinator.verifier_in_process else SPLIT]
-    if unknown := set(placements) - {SPLIT, COLOCATED}:
-        raise SystemExit(f"--placements: unknown placement {sorted(unknown)[0]!r}; use {SPLIT} or {COLOCATED}")
     if args.address and (len(sources) > 1 or ORACLE in sources or len(placements) > 1):
         raise SystemExit("--drafters with several drafters, the oracle, or several --placements start their own stacks; leave out --address")
     # The oracle's reference table: empty while the stacks start, then recorded through them.

@@ -23,6 +23,9 @@ from tqdm import tqdm
 from specdec.bench.stats import turn_order
 
 
+SPLIT, COLOCATED = "split", "colocated"  # where the verifier runs: its own deployment, or inside the coordinator
+
+
 def sweep_policies(chains: list[int], trees: list[int], tree_method: str, overlap_chains: list[int] = ()) -> list[tuple[str, dict]]:
     """(policy name, GenerateRequest fields) for every policy of the sweep."""
     from specdec.v1 import common_pb2
@@ -42,9 +45,11 @@ def sweep_policies(chains: list[int], trees: list[int], tree_method: str, overla
     return policies
 
 
-def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> dict:
+def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict, placements: list[str]) -> dict:
+    from ray import serve
+
     from specdec.serving.client import CoordinatorClient, generate_request, server_token
-    from specdec.serving.launch import deploy, start_stack, stop_stack
+    from specdec.serving.launch import APP_NAME, deploy, start_stack, stop_stack
 
     rtts = [float(r) for r in args.rtt_sweep.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
@@ -54,45 +59,56 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict) -> di
     policies = sweep_policies(chains, trees, config.coordinator.adaptive.tree_method, overlap_chains)
     adaptive = {"chain_budgets": chains, "tree_budgets": trees}
     rows = []
+    stacks = 0
     try:
-        for i, rtt in enumerate(rtts):
+        for rtt in rtts:
             link = {"rtt_ms": rtt, "jitter_ms": args.jitter_ms, "bandwidth_mbps": args.bandwidth_mbps}
-            port = args.port + i  # the previous coordinator may still hold the last port
-            # No prefix cache: each policy prefills each prompt, not only the one that ran it first.
-            rtt_args = {**app_args, "coordinator": {"port": port, "network": {"drafter": link, "verifier": link}, "adaptive": adaptive},
-                        "verifier": {"prefix_cache_mib": 0}}
-            address = start_stack(rtt_args, port, proxies=False) if i == 0 else deploy(rtt_args, port)
-            client = CoordinatorClient(address, server_token(config))
+            clients = {}
+            for placement in placements:  # a stack each, side by side: the verifier beside the coordinator has no link
+                port = args.port + stacks  # the previous coordinator may still hold the last port
+                colocated = placement == COLOCATED
+                network = {"drafter": link, "verifier": {} if colocated else link}
+                # No prefix cache: each policy prefills each prompt, not only the one that ran it first.
+                rtt_args = {**app_args, "coordinator": {"port": port, "network": network, "adaptive": adaptive, "verifier_in_process": colocated},
+                            "verifier": {"prefix_cache_mib": 0}}
+                address = start_stack(rtt_args, port, proxies=False) if stacks == 0 else deploy(rtt_args, port, name=f"{APP_NAME}-{stacks}")
+                clients[placement] = CoordinatorClient(address, server_token(config))
+                stacks += 1
+            turns = [(placement, name, fields) for placement in placements for name, fields in policies]
             for temperature in temperatures:
                 def request(j: int, ids: list[int], fields: dict, length: int = args.max_new_tokens):
                     return generate_request(prompt_token_ids=ids, max_new_tokens=length, temperature=temperature, seed=args.seed + j, **fields)
 
-                for name, fields in policies:
+                for placement, name, fields in turns:
                     if fields.get("adaptive"):  # untimed warm-up: the controller measures every plan first
-                        client.generate(request(len(chat_ids), chat_ids[-1], fields, 4 * args.max_new_tokens))
-                measured = {name: {"tokens": 0, "seconds": 0.0, "stats": []} for name, _ in policies}
+                        clients[placement].generate(request(len(chat_ids), chat_ids[-1], fields, 4 * args.max_new_tokens))
+                measured = {(placement, name): {"tokens": 0, "seconds": 0.0, "stats": []} for placement, name, _ in turns}
                 for j, ids in enumerate(tqdm(chat_ids, desc=f"RTT {rtt:g} ms, T={temperature:g}", unit="prompt")):
-                    for name, fields in turn_order(policies, j):
+                    for placement, name, fields in turn_order(turns, j):
                         start = time.perf_counter()
-                        response = client.generate(request(j, ids, fields))
-                        measured[name]["seconds"] += time.perf_counter() - start
-                        measured[name]["tokens"] += len(response.token_ids)
-                        measured[name]["stats"].append(response.stats)
-                rows += [_row(rtt, name, temperature, **m) for name, m in measured.items()]
-            client.close()
+                        response = clients[placement].generate(request(j, ids, fields))
+                        measured[placement, name]["seconds"] += time.perf_counter() - start
+                        measured[placement, name]["tokens"] += len(response.token_ids)
+                        measured[placement, name]["stats"].append(response.stats)
+                rows += [_row(rtt, placement, name, temperature, **m) for (placement, name), m in measured.items()]
+            for client in clients.values():
+                client.close()
+            for j in range(stacks - len(placements), stacks):  # this RTT's stacks leave the cores to the next
+                serve.delete(f"{APP_NAME}-{j}" if j else APP_NAME)
     finally:
         if not args.address:
             stop_stack()
-    return {"rtts": rtts, "policies": [name for name, _ in policies], "results": rows, "checks": sweep_checks(rows)}
+    return {"rtts": rtts, "placements": placements, "policies": [name for name, _ in policies], "results": rows, "checks": sweep_checks(rows)}
 
 
-def _row(rtt: float, policy: str, temperature: float, tokens: int, seconds: float, stats: list) -> dict:
+def _row(rtt: float, placement: str, policy: str, temperature: float, tokens: int, seconds: float, stats: list) -> dict:
     rounds = sum(s.rounds for s in stats)
     total_ms = sum(s.total_ms for s in stats)
     plan_rounds = summed_plan_rounds(stats)
     speculative = sum(s.rounds for s in stats) - plan_rounds.get("fused", 0)
     return {
         "rtt_ms": rtt,
+        "placement": placement,
         "policy": policy,
         "temperature": temperature,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
@@ -126,26 +142,26 @@ def summed_plan_rounds(stats: list) -> dict[str, int]:
 def sweep_checks(rows: list[dict]) -> list[dict]:
     """The bar of the network issue, evaluated on this run."""
     checks = []
-    for temperature in sorted({r["temperature"] for r in rows}):
-        for rtt in sorted({r["rtt_ms"] for r in rows}):
-            at = {r["policy"]: r for r in rows if r["rtt_ms"] == rtt and r["temperature"] == temperature}
-            fixed = {p: r["tokens_per_second"] for p, r in at.items() if not p.startswith("adaptive")}
-            best = max(fixed, key=fixed.get)
-            adaptive = at["adaptive"]["tokens_per_second"]
-            checks.append(
-                {
-                    "rtt_ms": rtt,
-                    "temperature": temperature,
-                    "best_fixed": best,
-                    "adaptive_vs_best_fixed": adaptive / fixed[best],
-                    "adaptive_vs_fused": adaptive / fixed["fused"],
-                    "overlap_on_vs_off": at["adaptive+overlap"]["tokens_per_second"] / adaptive,
-                    "fixed_overlap_on_vs_off": {
-                        p: r["tokens_per_second"] / at[p.removesuffix("+overlap")]["tokens_per_second"] for p, r in at.items() if p.startswith("chain-") and p.endswith("+overlap")
-                    },
-                    "wire_share_of_round_time": {p: r["wire_share"] for p, r in at.items()},
-                }
-            )
+    for placement, temperature, rtt in sorted({(r.get("placement") or "", r["temperature"], r["rtt_ms"]) for r in rows}):
+        at = {r["policy"]: r for r in rows if (r.get("placement") or "", r["rtt_ms"], r["temperature"]) == (placement, rtt, temperature)}
+        fixed = {p: r["tokens_per_second"] for p, r in at.items() if not p.startswith("adaptive")}
+        best = max(fixed, key=fixed.get)
+        adaptive = at["adaptive"]["tokens_per_second"]
+        checks.append(
+            {
+                "placement": placement,
+                "rtt_ms": rtt,
+                "temperature": temperature,
+                "best_fixed": best,
+                "adaptive_vs_best_fixed": adaptive / fixed[best],
+                "adaptive_vs_fused": adaptive / fixed["fused"],
+                "overlap_on_vs_off": at["adaptive+overlap"]["tokens_per_second"] / adaptive,
+                "fixed_overlap_on_vs_off": {
+                    p: r["tokens_per_second"] / at[p.removesuffix("+overlap")]["tokens_per_second"] for p, r in at.items() if p.startswith("chain-") and p.endswith("+overlap")
+                },
+                "wire_share_of_round_time": {p: r["wire_share"] for p, r in at.items()},
+            }
+        )
     return checks
 
 
@@ -161,10 +177,15 @@ def write_sweep(report: dict, out: Path) -> list[Path]:
     temperatures = sorted({r["temperature"] for r in rows})
     fig, axes = plt.subplots(1, len(temperatures), figsize=(6.5 * len(temperatures), 4.5), squeeze=False)
     for ax, temperature in zip(axes[0], temperatures):
-        for policy in report["policies"]:
-            line = sorted((r["rtt_ms"], r["tokens_per_second"]) for r in rows if r["policy"] == policy and r["temperature"] == temperature)
+        placements = report.get("placements") or [None]
+        for placement, policy in ((p, q) for p in placements for q in report["policies"]):
+            line = sorted((r["rtt_ms"], r["tokens_per_second"]) for r in rows
+                          if (r["policy"], r["temperature"], r.get("placement")) == (policy, temperature, placement))
             style = {"linewidth": 2.5} if policy.startswith("adaptive") else {"linestyle": "--" if policy == "fused" else "-", "alpha": 0.7}
-            ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=policy, **style)
+            if placement == COLOCATED:
+                style["marker"] = "s"
+            label = f"{placement}/{policy}" if len(placements) > 1 else policy
+            ax.plot([x for x, _ in line], [y for _, y in line], **{"marker": "o", **style}, label=label)
         ax.set_title(f"T = {temperature:g}")
         ax.set_xlabel("added round-trip time per service link (ms)")
         ax.set_ylabel("tokens / s")
@@ -178,22 +199,22 @@ def write_sweep(report: dict, out: Path) -> list[Path]:
 
 
 def format_sweep(report: dict) -> str:
-    lines = ["| RTT ms | T | policy | tokens/s | accepted/round | mean budget | overlap hits | wire share |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| RTT ms | placement | T | policy | tokens/s | accepted/round | mean budget | overlap hits | wire share |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         accepted = "-" if r["mean_accepted_per_round"] is None else f"{r['mean_accepted_per_round']:.2f}"
         lines.append(
-            f"| {r['rtt_ms']:g} | {r['temperature']:g} | {r['policy']} | {r['tokens_per_second']:.2f} | {accepted} | "
+            f"| {r['rtt_ms']:g} | {r.get('placement') or '-'} | {r['temperature']:g} | {r['policy']} | {r['tokens_per_second']:.2f} | {accepted} | "
             f"{r['mean_budget']:.1f} | {r['overlap_hits']} | {r['wire_share']:.1%} |"
         )
     lines += [
         "",
-        "| RTT ms | T | best fixed | adaptive / best fixed | adaptive / fused | overlap on / off (adaptive) | overlap on / off (fixed chains) |",
-        "|---|---|---|---|---|---|---|",
+        "| RTT ms | placement | T | best fixed | adaptive / best fixed | adaptive / fused | overlap on / off (adaptive) | overlap on / off (fixed chains) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in report["checks"]:
         fixed_overlap = ", ".join(f"{p.removesuffix('+overlap')}: {ratio:.2f}" for p, ratio in c["fixed_overlap_on_vs_off"].items()) or "-"
         lines.append(
-            f"| {c['rtt_ms']:g} | {c['temperature']:g} | {c['best_fixed']} | {c['adaptive_vs_best_fixed']:.2f} | "
+            f"| {c['rtt_ms']:g} | {c['placement'] or '-'} | {c['temperature']:g} | {c['best_fixed']} | {c['adaptive_vs_best_fixed']:.2f} | "
             f"{c['adaptive_vs_fused']:.2f} | {c['overlap_on_vs_off']:.2f} | {fixed_overlap} |"
         )
     return "\n".join(lines)
