@@ -74,3 +74,45 @@ def test_serving_needs_no_bench_or_train():
             reached.add(module)
             todo.extend(graph[module])
     assert not [m for m in reached if m.startswith(("specdec.bench", "specdec.train"))]
+
+
+# Layers from the bottom: nothing imports a layer above its own, and the services (the two
+# model services and the coordinator) know each other only by their protos. The composition root (the Serve app, the launcher, each
+# package's `python -m` entry point) builds the services and wires them together.
+LAYERS = ("core", "serving plumbing", "model services", "coordinator", "composition root", "cli, bench and training")
+COMPOSITION_ROOT = {"specdec.serving.app", "specdec.serving.launch"}
+
+
+def layer_of(module: str) -> int:
+    if module.endswith(".__main__") or module in COMPOSITION_ROOT:
+        return 4
+    if module == "specdec" or module.startswith(("specdec.cli", "specdec.bench", "specdec.train")):
+        return 5
+    for index, prefixes in ((3, ("coordinator",)), (2, ("drafter_service", "verifier_service")), (1, ("specdec.serving",)), (0, ("specdec.core", "specdec.data"))):
+        if module.startswith(prefixes):
+            return index
+    raise AssertionError(f"{module} belongs to no layer: place it in tests/test_layout.py LAYERS")
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(module):
+                found.append(f"{module} ({LAYERS[layer_of(module)]}) imports {target} ({LAYERS[layer_of(target)]})")
+            elif {layer_of(module), layer_of(target)} <= {2, 3} and module.split(".")[0] != target.split(".")[0]:
+                found.append(f"{module} imports another service's {target}")
+    return found
+
+
+def test_layers_import_downward_only():
+    assert layering_violations(import_graph()) == []
+
+
+def test_layer_check_catches_an_upward_import():
+    graph = {"coordinator.server": {"drafter_service.server"}, "specdec.core.tree": {"coordinator.server"}, "drafter_service.server": {"verifier_service.verifier"}}
+    assert layering_violations(graph) == [
+        "coordinator.server imports another service's drafter_service.server",
+        "drafter_service.server imports another service's verifier_service.verifier",
+        "specdec.core.tree (core) imports coordinator.server (coordinator)",
+    ]

@@ -27,6 +27,8 @@ import torch
 from tqdm import tqdm
 
 from specdec.bench.loopback import loopback_call_ms
+from specdec.bench.llama_cpp import LlamaCppDecoder, verifier_gguf
+from specdec.bench.llama_cpp import installed as llama_cpp_installed
 from specdec.bench.network import COLOCATED, SPLIT
 from specdec.bench.stats import paired_ratio_interval, turn_order
 from specdec.core.ngram import is_model_free
@@ -195,7 +197,7 @@ class Tally:
 
 
 def run_bench(args) -> int:
-    from specdec.core.models import load_model, load_tokenizer
+    from specdec.core.models import eos_token_ids, load_model, load_tokenizer
     from specdec.serving.app import build_config
     from specdec.serving.client import CoordinatorClient, generate_request, server_token
     from specdec.serving.launch import APP_NAME, deploy, start_stack, stop_stack
@@ -377,6 +379,13 @@ def run_bench(args) -> int:
             methods.append((named("adaptive"), placement, "adaptive", sources[0], None, None, lambda i, t, p=placement: through_services(i, None, t, adaptive=True, placement=p)))
     if any(is_model_free(s) or s == "hybrid" for s in sources):
         methods.append(("hf_prompt_lookup", None, "hf_prompt_lookup", None, None, None, lambda i, t: in_process(i, verifier, False, t, prompt_lookup=True)))
+    gguf = verifier_gguf(served.source)
+    if gguf is not None and llama_cpp_installed():  # the CPU anchor: llama.cpp on the same file
+        eos = set(eos_token_ids(verifier, tokenizer))
+        for name, lookup in (("llama_cpp", False), ("llama_cpp_prompt_lookup", True)):
+            decoder = LlamaCppDecoder(gguf, torch.get_num_threads(), eos, prompt_lookup=lookup)
+            methods.append((name, None, name, None, None, None,
+                            lambda i, t, d=decoder: d.generate(prompt_ids[i], args.max_new_tokens, t, args.seed + i)))
     methods += [
         ("hf_assisted", None, "hf_assisted", assistant, None, None, lambda i, t: in_process(i, verifier, True, t)),
         ("hf_generate", None, "hf_generate", None, None, None, lambda i, t: in_process(i, verifier, False, t)),

@@ -1,0 +1,30 @@
+"""The bench's CPU anchor: llama.cpp rows on the verifier's own GGUF file (optional extra)."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.bench.llama_cpp import installed, verifier_gguf
+from specdec.core.hub import BUILTIN_SMOLLM2
+
+
+def test_the_anchor_reads_the_verifiers_own_gguf_file(tiny_dirs):
+    gguf = verifier_gguf(BUILTIN_SMOLLM2)
+    assert gguf is not None and gguf.suffix == ".gguf" and gguf.is_file()
+    assert verifier_gguf(str(tiny_dirs["verifier"])) is None  # safetensors: no llama.cpp rows
+    assert verifier_gguf("/no/such/model.gguf") is None
+
+
+@pytest.mark.skipif(not installed(), reason="llama-cpp-python is the optional `llamacpp` extra")
+@pytest.mark.parametrize("prompt_lookup", [False, True], ids=["plain", "prompt_lookup"])
+def test_llama_cpp_decodes_the_gguf_greedily_and_stops_where_asked(prompt_lookup):
+    from specdec.bench.llama_cpp import LlamaCppDecoder
+    from specdec.core.models import load_tokenizer
+    from specdec.core.prompts import chat_ids
+
+    tokenizer = load_tokenizer(BUILTIN_SMOLLM2)
+    ids = chat_ids(tokenizer, "Name three colours.")
+    decoder = LlamaCppDecoder(verifier_gguf(BUILTIN_SMOLLM2), 2, {tokenizer.eos_token_id}, prompt_lookup=prompt_lookup)
+    first, seconds = decoder.generate(ids, 12, 0.0, seed=0)
+    again, _ = decoder.generate(ids, 12, 0.0, seed=1)
+    assert len(first) == 12 and seconds > 0 and first == again  # greedy: the seed changes nothing
+    assert tokenizer.decode(first).strip()  # text in the verifier's own vocabulary
