@@ -1,0 +1,46 @@
+"""The docs as reference: every result file they keep is cited, every file or script they cite
+exists, and they speak of the project, not of how it was made (no numbered sessions or runs)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "benchmarks"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Plots a command writes beside its JSON: cited with the JSON.
+PLOT_SUFFIXES = ("", "_anatomy", "_trees")
+CITED_PATH = re.compile(r"\b((?:docs/benchmarks|scripts|deploy|tests)/[\w./-]+\.\w+)")
+# "session 23", "run 11", "runs 11 and 12", "_s23" file names; not "runs 2,000 samples".
+HISTORY = re.compile(r"\b[Ss]essions? \d+\b|\b[Rr]un \d+\b|\bruns \d+ (and|to) \d+\b|_s\d+\b")
+
+
+def _text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
+
+
+def test_every_result_file_is_cited():
+    text = _text()
+    cited_stems = {Path(name).stem for name in re.findall(r"[\w-]+\.json", text)}
+
+    def cited(path: Path) -> bool:
+        if path.name in text:
+            return True
+        return path.suffix == ".png" and any(path.stem == stem + suffix for stem in cited_stems for suffix in PLOT_SUFFIXES)
+
+    orphans = sorted(p.name for p in RESULTS.iterdir() if p.is_file() and not cited(p))
+    assert not orphans, f"docs/benchmarks files no page cites (cite them or delete them): {orphans}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_cited_file_exists(page):
+    missing = sorted({path for path in CITED_PATH.findall(page.read_text()) if not (REPO / path.rstrip(".")).exists()})
+    assert not missing, f"{page.name} cites files the repository lacks: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_pages_speak_of_the_project_not_its_history(page):
+    found = sorted({m.group(0) for m in HISTORY.finditer(page.read_text())})
+    assert not found, f"{page.name} names work sessions or numbered runs (history lives in git): {found}"
