@@ -111,6 +111,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 ANATOMY_PARTS = ("round_ms", "draft_compute_ms", "verify_compute_ms", "draft_hop_ms", "verify_hop_ms", "draft_in_service_ms", "verify_in_service_ms",
                  "coordinator_ms", "overhead_ms")
 HOPS = ("draft", "verify")
+IDLE_CAP_MS = 100.0  # a hop's floor stops growing with the idle time before it well before this
 
 
 @dataclass
@@ -561,17 +562,16 @@ def format_table(results: list[dict]) -> str:
 
 def add_hop_floors(results: list[dict]) -> None:
     """Sets each hop's floor in the rows' round anatomy: a bare loopback gRPC call carrying the
-    hop's median payload (measured once per payload); none for a verifier in the coordinator's process."""
-    floors: dict[tuple[int, int], float] = {}
+    hop's median payload after the rest of the round's time without a call (gRPC's threads
+    sleep meanwhile); none for a verifier in the coordinator's process."""
     kinds = [(r, kind) for r in results for kind in (r["round_anatomy"] or {}).values() if kind is not None]
     for r, kind, hop in ((r, kind, hop) for r, kind in kinds for hop in HOPS):
         payload = kind[f"{hop}_payload_bytes"]
         if payload is None or (hop == "verify" and r.get("placement") == COLOCATED):  # an in-process call has no wire
             kind[f"{hop}_hop_floor_ms"] = None
             continue
-        if tuple(payload) not in floors:
-            floors[tuple(payload)] = loopback_call_ms(*payload)
-        kind[f"{hop}_hop_floor_ms"] = floors[tuple(payload)]
+        idle_ms = min(max(kind["round_ms"] - kind[f"{hop}_hop_ms"], 0.0), IDLE_CAP_MS)  # the rest of the round
+        kind[f"{hop}_hop_floor_ms"] = loopback_call_ms(*payload, idle_ms=idle_ms)
 
 
 def _anatomy_rows(results: list[dict]):
