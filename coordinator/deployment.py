@@ -18,7 +18,7 @@ from coordinator.openai_api import ForwardedCall, OpenAIFrontend, openai_app
 from coordinator.server import CoordinatorServicer, start
 from specdec.serving.config import config_from_dict
 from specdec.serving.directory import replica_directory
-from specdec.serving.replica import GrpcReplica
+from specdec.serving.replica import ModelReplica
 from specdec.serving.rpc import ServiceError
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
 from specdec.v1 import coordinator_pb2
@@ -29,7 +29,7 @@ ANNOUNCE_WAIT_S = 60.0  # a model replica announces itself right after it starts
 
 @serve.deployment(name="Coordinator")
 @serve.ingress()
-class CoordinatorDeployment(GrpcReplica):
+class CoordinatorDeployment(ModelReplica):
     def __init__(self, config: dict, drafter: DeploymentHandle | None, verifier: DeploymentHandle | None, in_process_services):
         """A service's handle is None when it runs inside the coordinator (coordinator.drafter_in_process,
         coordinator.verifier_in_process); in_process_services(config) builds those here."""
@@ -41,17 +41,22 @@ class CoordinatorDeployment(GrpcReplica):
             """The service's replicas now: Serve scales them, and a restarted one binds a new port."""
             return ray.get(directory.members.remote(services[name]), timeout=DISCOVER_TIMEOUT_S)
 
+        local = {}
+
         def connect():
             for name, handle in (("drafter", drafter), ("verifier", verifier)):
                 if handle is not None:
                     handle.address.remote().result()  # Serve answers once a replica is up
                     _until(lambda: discover(name), ANNOUNCE_WAIT_S, f"no {name} replica announced itself")
-            return start(parsed, None, None, RequestMetrics().record, discover, in_process_services(parsed))
+            local.update(in_process_services(parsed))
+            return start(parsed, None, None, RequestMetrics().record, discover, local)
 
         # The constructor runs on the replica's event loop, where blocking calls are refused.
         with ThreadPoolExecutor(max_workers=1) as pool:
             server, port, coordinator = pool.submit(connect).result()
         self._serving(server, port)
+        if "verifier" in local:  # its sessions and memory as a verifier replica's: gauges, autoscaling
+            self._join(VERIFIER_SERVICE, in_process=local["verifier"])
         self.servicer = CoordinatorServicer(coordinator)
         self.tokens = parsed.coordinator.auth.accepted()
         self.frontend = OpenAIFrontend(self.servicer, parsed.verifier.model.source, self.tokens)

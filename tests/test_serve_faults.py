@@ -102,5 +102,8 @@ def test_a_coordinator_running_the_verifier_serves_exactly_under_serve(serve_sta
         assert list(reply.token_ids) == hf_greedy(tiny_verifier, PROMPT, 30)
         assert reply.stats.verifier_replica.startswith("in-process:") and reply.stats.speculative_rounds > 0
         assert not reply.stats.drafter_replica.startswith("in-process:")
+        # The coordinator replica reports the verifier's sessions it holds, for SessionsPolicy autoscaling.
+        coordinator = serve.get_deployment_handle("Coordinator", app_name="colocated")
+        assert coordinator.record_autoscaling_stats.remote().result() == {"sessions": 0.0}  # the request ended its session
     finally:
         serve.delete("colocated")

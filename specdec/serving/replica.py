@@ -30,12 +30,15 @@ class GrpcReplica:
 
 
 class ModelReplica(GrpcReplica):
-    def _join(self, service: str) -> None:
+    def _join(self, service: str, in_process=None) -> None:
         """Announces this replica to the coordinators (every few seconds: a replica that dies
         without leaving drops out once it falls silent), and exports Prometheus gauges of what it
         holds, read from its own Info: sessions (Serve's ongoing-request metric cannot see direct
         gRPC calls), their KV cache, the process's resident memory, batch size and queue time,
-        and a counter of the sessions it evicted. Serve tags them with deployment and replica."""
+        and a counter of the sessions it evicted. Serve tags them with deployment and replica.
+        `in_process`: the client of a service this replica runs for its own coordinator
+        (coordinator.verifier_in_process): its gauges and sessions are exported, and it is not
+        announced, since no other coordinator may call it."""
         from ray import serve
         from ray.serve import metrics
 
@@ -54,13 +57,14 @@ class ModelReplica(GrpcReplica):
         prefix_hits = metrics.Gauge("specdec_replica_prefix_hit_share", "share of new sessions' prompt tokens the prefix cache held, over the last few seconds")
         evicted = metrics.Counter("specdec_replica_evicted_sessions", "sessions evicted by limits.max_sessions, max_kv_mib or session_ttl_s (each request re-opens its own)")
         before = common_pb2.ModelInfo()
-        client, stop = MeasuredClient(f"localhost:{self.port}", service), threading.Event()
+        client, stop = in_process or MeasuredClient(f"localhost:{self.port}", service), threading.Event()
         self._own = client
 
         def run() -> None:
             nonlocal before
             while True:
-                self._directory.announce.remote(service, self._replica_id, self.address())
+                if in_process is None:
+                    self._directory.announce.remote(service, self._replica_id, self.address())
                 if stop.wait(LOAD_EVERY_S):
                     return
                 try:
@@ -82,7 +86,10 @@ class ModelReplica(GrpcReplica):
         self._stop_announcing = stop
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metric: the sessions this replica holds."""
+        """Serve's custom autoscaling metric: the sessions this replica holds (none where it runs
+        no model: a coordinator whose services are all remote)."""
+        if not hasattr(self, "_own"):
+            return {}
         info, _ = self._own.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=5)
         return {"sessions": float(info.active_sessions)}
 
