@@ -7,7 +7,9 @@ speculation settings ride in the extension field `speculation` (GenerateRequest'
 num_draft_tokens, tree, adaptive, overlap, steering); `top_k` is accepted as vLLM does."""
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from specdec.core.prompts import chat_ids
 from specdec.serving.rpc import ServiceError, bearer_accepted
 from specdec.v1 import coordinator_pb2
 
+DISCONNECT_POLL_S = 0.05  # how often a running request checks that its HTTP client is still there
 SPECULATION_FIELDS = ("num_draft_tokens", "tree", "adaptive", "overlap", "steering")
 CHAT_ROLES = ("system", "user", "assistant")
 HTTP_STATUS = {
@@ -61,6 +64,7 @@ class ForwardedCall:
     def __init__(self, metadata: list[tuple[str, str]], serve_context=None):
         self.metadata = metadata
         self.serve_context = serve_context
+        self.gone = threading.Event()  # set when the client goes away: the rounds stop
 
     @classmethod
     def of_headers(cls, headers) -> ForwardedCall:
@@ -74,7 +78,7 @@ class ForwardedCall:
         return None  # the proxies keep their own request timeouts
 
     def is_active(self) -> bool:
-        return True  # a streamed answer's generator is closed when its client goes away
+        return not self.gone.is_set()
 
     def abort(self, code: grpc.StatusCode, details: str):
         if self.serve_context is not None:
@@ -228,8 +232,7 @@ class OpenAIFrontend:
 def openai_app(frontend: OpenAIFrontend) -> FastAPI:
     app = FastAPI(title="specdec", description="OpenAI-compatible API over distributed speculative decoding")
 
-    def answer(headers, body, chat: bool):
-        call = ForwardedCall.of_headers(headers)
+    def answer(call: ForwardedCall, body, chat: bool):
         try:
             call.authorize(frontend.tokens)
             reply = frontend.respond(frontend.parse(body, chat), call)
@@ -246,8 +249,19 @@ def openai_app(frontend: OpenAIFrontend) -> FastAPI:
             body = await request.json()
         except ValueError:
             return _error(ApiError(400, "the request body is not valid JSON"))
-        # Decoding blocks: a worker thread runs it (a streamed answer's iterator too).
-        return await run_in_threadpool(answer, request.headers, body, chat)
+        # Decoding blocks: a worker thread runs it (a streamed answer's iterator too), while this
+        # task watches the client: once it goes away (or Serve cancels the request for it), the
+        # rounds stop at the next one and free their slot and sessions.
+        call = ForwardedCall.of_headers(request.headers)
+        work = asyncio.ensure_future(run_in_threadpool(answer, call, body, chat))
+        try:
+            while not (await asyncio.wait({work}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    call.gone.set()
+            return work.result()
+        except asyncio.CancelledError:
+            call.gone.set()
+            raise
 
     @app.post("/v1/completions")
     async def completions(request: Request):

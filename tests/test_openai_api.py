@@ -160,3 +160,62 @@ def test_real_http_client_needs_no_sdk(http):
         lines = [line for line in reply.iter_lines() if line]
     assert reply.headers["content-type"].startswith("text/event-stream")
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+
+
+def test_a_client_that_goes_away_stops_its_request(tiny_dirs, tiny_verifier, monkeypatch):
+    """Non-streamed: once the HTTP client disconnects, the request's rounds stop at the next one
+    and free their slot and sessions; it does not run on to its max_tokens."""
+    import http.client
+    import socket
+    import threading
+
+    import uvicorn
+
+    import coordinator.openai_api as api_module
+    from tests.conftest import VerifyGate, free_port, local_stack, tiny_config
+    from verifier_service.server import VerifierServicer
+
+    verify_calls = []
+    real_verify = VerifierServicer.Verify
+    monkeypatch.setattr(VerifierServicer, "Verify", lambda s, request, context: verify_calls.append(1) or real_verify(s, request, context))
+    calls = []
+    real_init = api_module.ForwardedCall.__init__
+    monkeypatch.setattr(api_module.ForwardedCall, "__init__", lambda self, *a, **k: calls.append(self) or real_init(self, *a, **k))
+    config = tiny_config(tiny_dirs, num_draft_tokens=0)
+    config["limits"] = {"max_concurrent_requests": 1}
+    with VerifyGate(monkeypatch, hold=lambda request: True) as gate, local_stack(config) as stack:
+        server = uvicorn.Server(uvicorn.Config(_app(stack), host="127.0.0.1", port=free_port(), log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            assert _until(lambda: server.started)
+            client = http.client.HTTPConnection("127.0.0.1", server.config.port, timeout=60)
+            client.request("POST", "/v1/completions", body='{"prompt": "w1 w2", "max_tokens": 400, "temperature": 0}',
+                           headers={"content-type": "application/json"})
+            assert gate.wait_held(1)  # the request's first round waits at the verifier
+            client.sock.shutdown(socket.SHUT_RDWR)
+            client.close()
+            assert calls and calls[-1].gone.wait(30), "the coordinator did not notice the client leave"
+            gate.open()
+            coordinator = stack["coordinator_obj"]
+            assert _until(lambda: coordinator.in_flight == 0)
+            assert len(verify_calls) == 1  # the round in flight, none after (400 tokens would take 50 calls)
+            # Its slot is free: the next request (the only one allowed) is answered in full.
+            with TestClient(_app(stack)) as again:
+                reply = again.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 5, "temperature": 0})
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+
+
+def _until(condition, timeout_s: float = 60.0) -> bool:
+    """Whether `condition()` came true (the timeout only guards against a hang)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
