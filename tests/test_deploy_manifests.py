@@ -511,3 +511,35 @@ def test_network_policy_keeps_every_port_but_the_client_api_inside_the_rayservic
             assert all(_admitted(policy, pod, peer, port) for peer in [head, *workers]), (pod, port)
     for port in (CLIENT_PORT, 8000, 9000):  # the client APIs: coordinator gRPC, OpenAI HTTP, Serve's gRPC proxy
         assert _admitted(policy, head, None, port) and _admitted(policy, head, outsider, port)
+
+
+DASHBOARD = REPO / "deploy" / "grafana" / "specdec_dashboard.json"
+EXPORTED = re.compile(r"metrics\.(?:Counter|Gauge|Histogram)\(\s*\"([a-z_]+)\"")
+QUERIED = re.compile(r"ray_((?:specdec|spec_decode)_[a-z_]*[a-z])")
+
+
+def exported_metrics() -> set[str]:
+    """The metric names the services declare (Ray exports each as ray_<name>)."""
+    sources = [*REPO.glob("coordinator/*.py"), *REPO.glob("specdec/serving/*.py"), *REPO.glob("drafter_service/*.py"), *REPO.glob("verifier_service/*.py")]
+    return {name for path in sources for name in EXPORTED.findall(path.read_text())}
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_services_export():
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert any(v["name"] == "datasource" and v["type"] == "datasource" for v in dashboard["templating"]["list"])
+    queried = set()
+    for panel in dashboard["panels"]:
+        assert panel["targets"] and panel["datasource"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            queried |= {re.sub(r"_(bucket|sum|count)$", "", name) for name in QUERIED.findall(target["expr"])}
+    exported = exported_metrics()
+    assert queried - exported == set(), f"the dashboard queries metrics no service exports: {sorted(queried - exported)}"
+    # What a dashboard of this system must show, each on some panel.
+    for name in ("specdec_generated_tokens", "spec_decode_num_accepted_tokens_per_pos", "specdec_rounds", "specdec_round_time_ms",
+                 "specdec_drafter_failures", "specdec_replica_sessions", "specdec_replica_kv_cache_mib"):
+        assert name in queried, name
+
+
+def test_the_dashboard_check_catches_a_metric_nobody_exports():
+    assert QUERIED.findall('rate({__name__=~"ray_specdec_made_up(_total)?"}[1m])') == ["specdec_made_up"]
+    assert "specdec_made_up" not in exported_metrics() and "specdec_requests" in exported_metrics()
