@@ -321,7 +321,7 @@ def _replicas(config, name: str, addresses: str | None, discover) -> Replicas:
 
     def connect(address: str) -> tuple[MeasuredClient, LatencyProxy | None]:
         proxy = LatencyProxy(address, link) if link.active else None
-        return MeasuredClient(proxy.address if proxy else address, service, token, max_bytes), proxy
+        return MeasuredClient(proxy.address if proxy else address, service, token, max_bytes, config.coordinator.service_tls), proxy
 
     find = functools.partial(discover, name) if discover is not None else None
     known = find() if find is not None else {address: address for address in addresses.split(",")}

@@ -14,4 +14,4 @@ class DrafterDeployment(ModelReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)
         self._serving(*start(parsed.drafter, **parsed.service_args("drafter")))
-        self._join(DRAFTER_SERVICE)
+        self._join(DRAFTER_SERVICE, tls=parsed.coordinator.service_tls)

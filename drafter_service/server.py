@@ -110,9 +110,12 @@ def in_process(config, limits: LimitsConfig) -> InProcessClient:
 
 
 def start(
-    config, steering_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(), service_token: str = ""
+    config, steering_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(), service_token: str = "", tls=None,
 ) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering checkpoint) and starts serving it;
-    returns (grpc server, bound port). With `service_token`, callers must show it."""
+    returns (grpc server, bound port). With `service_token`, callers must show it; with `tls`
+    (ServiceTlsConfig), it speaks TLS only."""
     servicer = _servicer(config, steering_checkpoint, limits)
-    return start_model_server(lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), DRAFTER_SERVICE, config.host, config.port, limits, service_token)
+    return start_model_server(
+        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), DRAFTER_SERVICE, config.host, config.port, limits, service_token, tls,
+    )

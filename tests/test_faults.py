@@ -433,3 +433,44 @@ def test_tls_on_the_client_api(tiny_dirs, tmp_path):
             plain.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=4), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         plain.close()
+
+
+@pytest.mark.parametrize("mutual", [True, False], ids=["mutual", "server-only"])
+def test_tls_on_the_links_to_the_services(tiny_dirs, tiny_verifier, tmp_path, mutual):
+    """coordinator.service_tls: the services speak TLS only, the coordinator checks their
+    certificate (and, mutual, shows its own); the output stays exact. A plaintext caller, or
+    (mutual) one without a certificate the CA signed, is refused."""
+    import grpc
+
+    from specdec.core.models import hf_greedy
+    from specdec.serving.config import ServiceTlsConfig
+    from specdec.serving.rpc import MeasuredClient
+    from specdec.serving.wire import VERIFIER_SERVICE
+    from specdec.v1 import common_pb2
+    from tests.certs import make_certificates, service_tls
+    from tests.conftest import local_stack
+
+    paths = make_certificates(tmp_path)
+    config = tiny_config(tiny_dirs)
+    config["coordinator"]["service_tls"] = service_tls(paths, mutual)
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        reply = client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=12, num_draft_tokens=3))
+        client.close()
+        assert list(reply.token_ids) == hf_greedy(tiny_verifier, [1, 4, 5], 12) and reply.stats.speculative_rounds > 0
+
+        def info(tls) -> None:
+            caller = MeasuredClient(stack["verifier"], VERIFIER_SERVICE, tls=tls)
+            try:
+                caller.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=10)
+            finally:
+                caller.close()
+
+        info(ServiceTlsConfig(**service_tls(paths, mutual)))  # the coordinator's own credentials pass
+        with pytest.raises(grpc.RpcError) as plaintext:
+            info(None)
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+        if mutual:
+            with pytest.raises(grpc.RpcError) as anonymous:
+                info(ServiceTlsConfig(**service_tls(paths, mutual=False)))
+            assert anonymous.value.code() == grpc.StatusCode.UNAVAILABLE

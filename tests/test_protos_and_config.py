@@ -59,6 +59,10 @@ def test_default_config_is_the_builtin_pair():
         ({"limits": {"max_fused_tokens": 4}}, "fused_block_tokens must be <= limits.max_fused_tokens"),
         ({"coordinator": {"max_concurrent_requests": 4}}, "unknown key coordinator.max_concurrent_requests"),  # it is in limits
         ({"coordinator": {"verifier_in_process": True, "network": {"verifier": {"rtt_ms": 5}}}}, "coordinator.network.verifier emulates a link to a verifier"),
+        ({"coordinator": {"service_tls": {"cert_file": "s.pem"}}}, "coordinator.service_tls needs both cert_file and key_file"),
+        ({"coordinator": {"service_tls": {"cert_file": "s.pem", "key_file": "s.key"}}}, "coordinator.service_tls needs ca_file"),
+        ({"coordinator": {"service_tls": {"ca_file": "ca.pem"}}}, "coordinator.service_tls sets client certificates, server_name or ca_file without"),
+        ({"coordinator": {"service_tls": {"cert_file": "s", "key_file": "k", "ca_file": "c", "client_cert_file": "x"}}}, "needs both client_cert_file and client_key_file"),
     ],
 )
 def test_config_errors_name_the_key(data, phrase):

@@ -14,4 +14,4 @@ class VerifierDeployment(ModelReplica):
     def __init__(self, config: dict):
         parsed = config_from_dict(config)
         self._serving(*start(parsed.verifier, **parsed.service_args("verifier")))
-        self._join(VERIFIER_SERVICE)
+        self._join(VERIFIER_SERVICE, tls=parsed.coordinator.service_tls)

@@ -91,9 +91,12 @@ def in_process(
 
 def start(
     config, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(),
-    service_token: str = "",
+    service_token: str = "", tls=None,
 ) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering or feature head checkpoint) and starts
-    serving it; returns (grpc server, bound port). With `service_token`, callers must show it."""
+    serving it; returns (grpc server, bound port). With `service_token`, callers must show it;
+    with `tls` (ServiceTlsConfig), it speaks TLS only."""
     servicer = _servicer(config, steering_checkpoint, feature_checkpoint, limits)
-    return start_model_server(lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), VERIFIER_SERVICE, config.host, config.port, limits, service_token)
+    return start_model_server(
+        lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), VERIFIER_SERVICE, config.host, config.port, limits, service_token, tls,
+    )

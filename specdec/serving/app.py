@@ -53,7 +53,7 @@ def in_process_services(config) -> dict:
         local["drafter"] = drafter_here(config.drafter, config.limits)
     if config.coordinator.verifier_in_process:
         args = config.service_args("verifier")
-        del args["service_token"]  # no call crosses a network to it
+        del args["service_token"], args["tls"]  # no call crosses a network to it
         local["verifier"] = verifier_here(config.verifier, **args)
     return local
 

@@ -157,6 +157,52 @@ class TlsConfig:
         return _read("coordinator.tls.ca_file", self.ca_file or self.cert_file)
 
 
+@dataclass
+class ServiceTlsConfig:
+    """TLS on the links between the coordinator and the services (PEM files); none = plaintext,
+    which suits a single node only. The services present cert_file/key_file, which the
+    coordinator checks against ca_file under server_name; with client_cert_file/client_key_file
+    the services also require the coordinator's certificate, signed by ca_file (mutual TLS).
+    The service token is asked for as well."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+    server_name: str = ""  # the name the services' certificate carries; "" = the host dialed
+    client_cert_file: str = ""
+    client_key_file: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    @property
+    def mutual(self) -> bool:
+        return bool(self.client_cert_file)
+
+    def server_credentials(self) -> tuple[tuple[bytes, bytes], bytes | None]:
+        """((key, certificate), the CA clients must be signed by, or None)."""
+        pair = _read("coordinator.service_tls.key_file", self.key_file), _read("coordinator.service_tls.cert_file", self.cert_file)
+        return pair, _read("coordinator.service_tls.ca_file", self.ca_file) if self.mutual else None
+
+    def channel_credentials(self):
+        import grpc
+
+        mine = (_read("coordinator.service_tls.client_key_file", self.client_key_file),
+                _read("coordinator.service_tls.client_cert_file", self.client_cert_file)) if self.mutual else (None, None)
+        return grpc.ssl_channel_credentials(_read("coordinator.service_tls.ca_file", self.ca_file), *mine)
+
+    def validate(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("needs both cert_file and key_file (or neither)")
+        if bool(self.client_cert_file) != bool(self.client_key_file):
+            raise ValueError("needs both client_cert_file and client_key_file (or neither)")
+        if (self.mutual or self.server_name or self.ca_file) and not self.enabled:
+            raise ValueError("sets client certificates, server_name or ca_file without cert_file and key_file")
+        if self.enabled and not self.ca_file:
+            raise ValueError("needs ca_file: the CA that signed cert_file, which the coordinator checks the services against")
+
+
 def _read(key: str, path: str) -> bytes:
     try:
         return Path(path).read_bytes()
@@ -189,6 +235,7 @@ class CoordinatorConfig:
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    service_tls: ServiceTlsConfig = field(default_factory=ServiceTlsConfig)  # the links to the drafter and verifier
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
     num_replicas: int = 1  # Ray Serve replicas; they share the client port (SO_REUSEPORT)
     # Ray Serve autoscaling_config ({} = num_replicas), on the requests through Serve's proxies
@@ -226,7 +273,10 @@ class Config:
     def service_args(self, service: str) -> dict:
         """What a service takes besides its section: `start(section, **config.service_args(name))`,
         the limits and the checkpoints it loads besides its model."""
-        args = {"limits": self.limits, "steering_checkpoint": self.resolved_steering_checkpoint(), "service_token": self.coordinator.auth.service_token}
+        args = {
+            "limits": self.limits, "steering_checkpoint": self.resolved_steering_checkpoint(), "service_token": self.coordinator.auth.service_token,
+            "tls": self.coordinator.service_tls,
+        }
         if service == "verifier":
             args["feature_checkpoint"] = self.resolved_feature_checkpoint()
         return args
@@ -285,6 +335,10 @@ class Config:
         tls = self.coordinator.tls
         if bool(tls.cert_file) != bool(tls.key_file):
             raise ConfigError("coordinator.tls needs both cert_file and key_file (or neither)")
+        try:
+            self.coordinator.service_tls.validate()
+        except ValueError as err:
+            raise ConfigError(f"coordinator.service_tls {err}") from None
         try:  # the certificate files are read where the coordinator starts (other nodes may lack them)
             self.coordinator.auth.accepted()
         except ValueError as err:

@@ -30,7 +30,7 @@ class GrpcReplica:
 
 
 class ModelReplica(GrpcReplica):
-    def _join(self, service: str, in_process=None) -> None:
+    def _join(self, service: str, in_process=None, tls=None) -> None:
         """Announces this replica to the coordinators (every few seconds: a replica that dies
         without leaving drops out once it falls silent), and exports Prometheus gauges of what it
         holds, read from its own Info: sessions (Serve's ongoing-request metric cannot see direct
@@ -38,7 +38,8 @@ class ModelReplica(GrpcReplica):
         and a counter of the sessions it evicted. Serve tags them with deployment and replica.
         `in_process`: the client of a service this replica runs for its own coordinator
         (coordinator.verifier_in_process): its gauges and sessions are exported, and it is not
-        announced, since no other coordinator may call it."""
+        announced, since no other coordinator may call it. `tls`: the service's ServiceTlsConfig,
+        for this replica's own calls to it."""
         from ray import serve
         from ray.serve import metrics
 
@@ -57,7 +58,7 @@ class ModelReplica(GrpcReplica):
         prefix_hits = metrics.Gauge("specdec_replica_prefix_hit_share", "share of new sessions' prompt tokens the prefix cache held, over the last few seconds")
         evicted = metrics.Counter("specdec_replica_evicted_sessions", "sessions evicted by limits.max_sessions, max_kv_mib or session_ttl_s (each request re-opens its own)")
         before = common_pb2.ModelInfo()
-        client, stop = in_process or MeasuredClient(f"localhost:{self.port}", service), threading.Event()
+        client, stop = in_process or MeasuredClient(f"localhost:{self.port}", service, tls=tls), threading.Event()
         self._own = client
 
         def run() -> None:

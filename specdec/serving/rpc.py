@@ -104,10 +104,12 @@ def start_server(
     tls: tuple[bytes, bytes] | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_calls: int | None = None,
+    client_ca: bytes | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Starts a gRPC server with the standard health service and server reflection (so grpcurl
     works without the protos); returns it, the bound port and the health servicer. `tls`:
-    (private key, certificate chain), PEM; None = plaintext. Past `max_calls` calls at once
+    (private key, certificate chain), PEM; None = plaintext; with `client_ca` callers must show a
+    certificate it signed (mutual TLS). Past `max_calls` calls at once
     (running or queued for a worker thread) gRPC answers RESOURCE_EXHAUSTED instead of queueing."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options(max_message_bytes), interceptors=interceptors,
@@ -119,7 +121,8 @@ def start_server(
     names = [health_service] if health_service else []
     reflection.enable_server_reflection(names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
     if tls:
-        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([tls]))
+        credentials = grpc.ssl_server_credentials([tls], root_certificates=client_ca, require_client_auth=client_ca is not None)
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     else:
         bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -133,10 +136,12 @@ def start_server(
     return server, bound, health_servicer
 
 
-def start_model_server(add_servicer: Callable[[grpc.Server], None], service: str, host: str, port: int, limits, service_token: str):
+def start_model_server(add_servicer: Callable[[grpc.Server], None], service: str, host: str, port: int, limits, service_token: str, tls=None):
     """A model service's server (drafter, verifier): its calls at once and message sizes within
     `limits` (LimitsConfig), and, with `service_token`, only callers that show it (health,
-    reflection and Info stay open). Returns (server, bound port)."""
+    reflection and Info stay open); `tls` (ServiceTlsConfig): TLS only, mutual where it says.
+    Returns (server, bound port)."""
+    pair, client_ca = tls.server_credentials() if tls is not None and tls.enabled else (None, None)
     server, bound, _ = start_server(
         add_servicer,
         host,
@@ -146,6 +151,8 @@ def start_model_server(add_servicer: Callable[[grpc.Server], None], service: str
         max_message_bytes=int(limits.max_message_mib * 2**20),
         max_calls=SERVICE_CALLS_PER_REQUEST * limits.max_concurrent_requests,
         max_workers=limits.max_concurrent_requests + 4,  # a handler waits for its batch: one per request in flight
+        tls=pair,
+        client_ca=client_ca,
     )
     return server, bound
 
@@ -269,11 +276,18 @@ class CallCost:
 
 class MeasuredClient:
     """Unary calls on raw bytes, so encode, wire and decode are timed apart. `token`: the
-    bearer token the service asks of its callers ("" = none)."""
+    bearer token the service asks of its callers ("" = none); `tls` (ServiceTlsConfig): the
+    service speaks TLS, checked against its CA (and this client shows its own certificate)."""
 
-    def __init__(self, address: str, service: str, token: str = "", max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(self, address: str, service: str, token: str = "", max_message_bytes: int = MAX_MESSAGE_BYTES, tls=None):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
+        options = message_options(max_message_bytes)
+        if tls is not None and tls.enabled:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self.channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
         self._service = service
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._methods: dict[str, Callable] = {}
