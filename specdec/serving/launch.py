@@ -32,7 +32,11 @@ def start_stack(
             start_local_ray()
     from specdec.serving.app import build_config
 
-    tls = build_config(app_args).coordinator.tls  # the HTTP API gets the gRPC API's certificate
+    config = build_config(app_args)
+    if ray_address and not config.coordinator.service_tls.enabled:
+        log.warning("serving on an existing Ray cluster with plaintext links between the coordinator and the services "
+                    "(only the service token guards them); set coordinator.service_tls for TLS inside (docs/design.md)")
+    tls = config.coordinator.tls  # the HTTP API gets the gRPC API's certificate
     https = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls.enabled else {}
     serve.start(
         proxy_location="HeadOnly" if proxies else "Disabled",
