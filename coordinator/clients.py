@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 # Codes after which a service has lost (or never had) the session: re-open with the context.
 _REOPEN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+# Codes worth the same round again: the replica is unreachable or slow, or it stopped and
+# cancelled the call in flight (this side never cancels a call it still waits for).
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 # EndSession calls in flight: held until they finish, since a dropped future may be cancelled.
 _ending: set = set()
 _ending_lock = threading.Lock()
@@ -436,7 +439,7 @@ class PairSession:
                     reopen = True
                     self.reopens += 1
                     continue
-                transient = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                transient = err.code() in _TRANSIENT
                 out_of_time = self.deadline is not None and time.monotonic() + backoff_s > self.deadline
                 if not transient or retries == max_retries or out_of_time:
                     raise
