@@ -108,26 +108,3 @@ def test_a_coordinator_running_the_verifier_serves_exactly_under_serve(serve_sta
     finally:
         serve.delete("colocated")
 
-
-@pytest.mark.e2e
-def test_the_links_inside_speak_mutual_tls_under_serve(serve_stack, tiny_dirs, tiny_verifier, tmp_path):
-    """coordinator.service_tls under Ray Serve: the coordinator reaches both replicas over
-    mutual TLS (output exact), and each replica's own calls to itself (its gauges, its
-    autoscaling metric) pass too."""
-    from ray import serve
-
-    from specdec.serving.launch import deploy
-    from tests.certs import make_certificates, service_tls
-
-    port = free_port()
-    config = tiny_config(tiny_dirs, port=port, service_tls=service_tls(make_certificates(tmp_path)))
-    address = deploy(config, port, name="tls")
-    try:
-        client = CoordinatorClient(address)
-        reply = client.generate(generate_request(prompt_token_ids=PROMPT, max_new_tokens=30, num_draft_tokens=3))
-        client.close()
-        assert list(reply.token_ids) == hf_greedy(tiny_verifier, PROMPT, 30) and reply.stats.speculative_rounds > 0
-        for name in ("Verifier", "Drafter"):
-            assert serve.get_deployment_handle(name, app_name="tls").record_autoscaling_stats.remote().result() == {"sessions": 0.0}
-    finally:
-        serve.delete("tls")
