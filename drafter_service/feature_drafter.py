@@ -1,5 +1,5 @@
-"""The drafter that reads the verifier's features (specdec/core/feature_head.py): the same
-sessions, checks and tree builders as the model drafter, with the head in place of a model.
+"""The drafter that reads the verifier's features (specdec/core/feature_head.py), EAGLE-3
+style: a peer of the model drafter, with the same tree builders and the head in place of a model.
 
 The head's cache holds one entry per position. Committed positions are fed from the
 verifier's features as they arrive; whatever follows them (assumed tokens, draft nodes)
@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from drafter_service.drafter import DrafterEngine, DrafterSession
+from drafter_service.distributions import likeliest, next_tokens
+from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession
 from drafter_service.tree_builders import builder_for
 from specdec.core.batching import Job
 from specdec.core.engine import (
@@ -26,7 +27,8 @@ from specdec.core.feature_head import (
     load_feature_head,
 )
 from specdec.core.kv_cache import KVCache
-from specdec.core.models import ModelSpec, eos_token_ids, max_context
+from specdec.core.models import ModelSpec, eos_token_ids, load_tokenizer, max_context, tokenizer_fingerprint
+from specdec.core.sampling import Sampling
 from specdec.core.tree import ROOT, DraftTree, TreeShape, node_inputs
 from specdec.serving.rpc import ServiceError
 
@@ -45,7 +47,8 @@ class HeadForward:
 
 
 @dataclass
-class FeatureSession(DrafterSession):
+class FeatureState:
+    cache: KVCache
     features: torch.Tensor | None = None  # (capacity, H): the verifier's feature of each position
     num_features: int = 0
     committed_entries: int = 0  # cache entries fed from verifier features (positions 0..n-1)
@@ -54,12 +57,10 @@ class FeatureSession(DrafterSession):
     extra_outputs: list[torch.Tensor] = field(default_factory=list)
 
 
-class FeatureDrafter(DrafterEngine):
-    session_type = FeatureSession
-
-    def _load(self, spec: ModelSpec, steering_checkpoint: str | None) -> None:
-        if steering_checkpoint:
-            raise ValueError("a feature head reads verifier features; it takes no steering checkpoint")
+class FeatureDrafter(Drafter):
+    def __init__(self, spec: ModelSpec, proposal_top_k: int = 32):
+        self.proposal_top_k = proposal_top_k
+        tokenizer = load_tokenizer(spec.source)
         self.head, base = load_feature_head(spec.source)
         if spec.dtype == "int8":  # the head is memory-bound: int8 weights draft about 3x faster
             quantize_linears(self.head)
@@ -70,37 +71,40 @@ class FeatureDrafter(DrafterEngine):
         self.native_layer = native_layer(layer.input_norm, fused_linear([layer.q, layer.k, layer.v]), layer.o, layer.post_norm,
                                          fused_linear([layer.gate, layer.up]), layer.down, layer.input_norm.eps)
         self.rotary_rows = RotaryTable(self.head.rotary, self.head.embed.weight)
-        self.model = self.head  # its config describes the drafter (ModelInfo)
         self.draft_vocab = self.head.vocab_ids
-        self.eos_ids = eos_token_ids(base, self.tokenizer)
-        self.max_context = max_context(base)
-        self.steering_size = 0
         self.feature_size = self.head.hidden_size
-        self.feature_fingerprint = feature_fingerprint(spec.source)
+        self.info = DrafterInfo(
+            self.head, len(tokenizer), tokenizer_fingerprint(tokenizer), eos_token_ids(base, tokenizer), max_context(base),
+            self._new_cache().bytes_per_token, feature_size=self.feature_size, feature_fingerprint=feature_fingerprint(spec.source),
+        )
 
-    def _kv_bytes_per_token(self) -> int:
-        return self._new_cache().bytes_per_token
+    def new_state(self, context: list[int], sampling: Sampling) -> FeatureState:
+        return FeatureState(self._new_cache())
+
+    def state_bytes(self, state: FeatureState) -> int:
+        return state.cache.nbytes
 
     def _new_cache(self) -> KVCache:
         layer = self.head.layer
         return KVCache(1, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu", transposed_keys=self.native_layer is not None)
 
-    def _take_features(self, session: FeatureSession, start: int, rows: torch.Tensor) -> None:
-        if start > session.num_features:
+    def take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
+        state = session.state
+        if start > state.num_features:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"features_start {start} leaves a gap: this session holds the features of positions [0, {session.num_features}); re-open it",
+                f"features_start {start} leaves a gap: this session holds the features of positions [0, {state.num_features}); re-open it",
             )
         end = start + len(rows)
-        if session.features is None or session.features.shape[0] < end:
+        if state.features is None or state.features.shape[0] < end:
             grown = torch.zeros(max(2 * end, 256), self.feature_size)
-            if session.features is not None:
-                grown[: session.num_features] = session.features[: session.num_features]
-            session.features = grown
-        session.features[start:end] = rows
-        session.num_features = end
+            if state.features is not None:
+                grown[: state.num_features] = state.features[: state.num_features]
+            state.features = grown
+        state.features[start:end] = rows
+        state.num_features = end
         # Entries fed from features that have just been replaced are fed again.
-        session.committed_entries = min(session.committed_entries, start + 1)
+        state.committed_entries = min(state.committed_entries, start + 1)
 
     def forward_many(self, forwards: list[HeadForward]) -> list[torch.Tensor]:
         """The head over several sessions' entries: with the native layer, one pass (each
@@ -128,58 +132,61 @@ class FeatureDrafter(DrafterEngine):
         cache.values[0, :, start : start + count] = values[0]
         return outputs[0]
 
-    def _run(self, session: FeatureSession, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> Job:
+    def _run(self, session: DrafterSession, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> Job:
         """Feeds entries after the cache; the job's value is their outputs (T, H)."""
         session.forward_passes += 1
-        return (yield HeadForward(session.cache, tokens, features, positions, mask))
+        return (yield HeadForward(session.state.cache, tokens, features, positions, mask))
 
-    def _feed_committed(self, session: FeatureSession) -> Job:
-        n = len(session.tokens)
-        if session.committed_entries == n:
+    def _feed_committed(self, session: DrafterSession) -> Job:
+        state, n = session.state, len(session.tokens)
+        if state.committed_entries == n:
             return
-        if session.num_features < n - 1:
+        if state.num_features < n - 1:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"a feature head drafts after the verifier's features of every committed position but the last; "
-                f"it has those of [0, {session.num_features}) and needs [0, {n - 1}): ask the verifier for features",
+                f"it has those of [0, {state.num_features}) and needs [0, {n - 1}): ask the verifier for features",
             )
-        first = session.committed_entries
-        session.cache.truncate(first)
+        first = state.committed_entries
+        state.cache.truncate(first)
         previous = torch.zeros(n - first, self.feature_size)
         rows = torch.arange(max(first, 1), n)
         if len(rows):
-            previous[rows - first] = session.features[rows - 1]
+            previous[rows - first] = state.features[rows - 1]
         count = n - first
         mask = torch.ones(count, n, dtype=torch.bool).tril(first)[None, None]
         outputs = yield from self._run(session, session.tokens[first:], previous, torch.arange(first, n)[None], mask)
-        session.committed_entries, session.committed_output = n, outputs[-1]
-        session.extra, session.extra_outputs = [], []
+        state.committed_entries, state.committed_output = n, outputs[-1]
+        state.extra, state.extra_outputs = [], []
 
-    def _feed_context(self, session: FeatureSession, context: list[int]) -> Job:
+    def _feed_context(self, session: DrafterSession, context: list[int]) -> Job:
         """Brings the cache up to `context` (committed tokens, then assumed ones each read with
-        the head's output before it); the job's value is the logits of the token that follows
-        (one row)."""
+        the head's output before it); the job's value is the head's output at the context's
+        last position."""
         yield from self._feed_committed(session)
-        n = len(session.tokens)
+        state, n = session.state, len(session.tokens)
         extra = context[n:]
         keep = 0
-        while keep < min(len(extra), len(session.extra)) and extra[keep] == session.extra[keep]:
+        while keep < min(len(extra), len(state.extra)) and extra[keep] == state.extra[keep]:
             keep += 1
-        session.cache.truncate(n + keep)
-        del session.extra[keep:], session.extra_outputs[keep:]
+        state.cache.truncate(n + keep)
+        del state.extra[keep:], state.extra_outputs[keep:]
         for token in extra[keep:]:
-            before = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
-            position = n + len(session.extra)
+            before = state.extra_outputs[-1] if state.extra_outputs else state.committed_output
+            position = n + len(state.extra)
             output = (yield from self._run(session, [token], before[None], torch.tensor([[position]]), None))[-1]
-            session.extra.append(token)
-            session.extra_outputs.append(output)
-        last = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
-        return self.head.logits(last[None])
+            state.extra.append(token)
+            state.extra_outputs.append(output)
+        return state.extra_outputs[-1] if state.extra_outputs else state.committed_output
 
-    def _draft_tree(self, session: FeatureSession, context: list[int], shape: TreeShape, budget: int) -> Job:
-        root_logits = yield from self._feed_context(session, context)
-        root_output = session.extra_outputs[-1] if session.extra_outputs else session.committed_output
-        num_context = session.cache.length
+    def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
+        last = yield from self._feed_context(session, context)
+        return likeliest(self.head.logits(last[None])[0], self.draft_vocab, excludes)
+
+    def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
+        root_output = yield from self._feed_context(session, context)
+        root_logits = self.head.logits(root_output[None])
+        num_context = session.state.cache.length
         fed: list[int] = []
         outputs: dict[int, torch.Tensor] = {ROOT: root_output}
 
@@ -195,8 +202,7 @@ class FeatureDrafter(DrafterEngine):
                 for i, node in enumerate(new):
                     outputs[node], rows[node] = out[i], 1 + i
                 logits = torch.cat([root_logits, self.head.logits(out)])
-            return self._next_tokens(logits[[rows[n] for n in nodes]], session.sampling)
+            return next_tokens(logits[[rows[n] for n in nodes]], session.sampling, self.draft_vocab, self.proposal_top_k)
 
         generator = None if session.sampling.greedy else session.generator
-        return (yield from builder_for(shape).build(expand, budget, generator))
-
+        return (yield from builder_for(shape).build(expand, budget, generator)), []

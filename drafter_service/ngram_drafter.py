@@ -1,57 +1,33 @@
-"""The drafter without a model (specdec/core/ngram.py): prompt lookup or suffix decoding, with
-the same sessions, checks and API as the model drafter. It reads token ids only, so it pairs
-with any verifier's tokenizer."""
+"""The drafter without a model (specdec/core/ngram.py): prompt lookup or suffix decoding. It
+reads token ids only, so it pairs with any verifier's tokenizer."""
 from __future__ import annotations
 
-import torch
-
-from drafter_service.drafter import DrafterEngine, DrafterSession
+from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ngram_draft
 from specdec.core.batching import Job
-from specdec.core.models import ModelSpec
 from specdec.core.ngram import NgramProposer
-from specdec.core.tree import DraftTree, TreeShape
+from specdec.core.tree import TreeShape
 from specdec.serving.rpc import invalid
 
-ANY_TOKEN = 2**31 - 1  # token ids are checked by the verifier, which knows its vocabulary
 
+class NgramDrafter(Drafter):
+    """`methods`: the n-gram proposers; a request's tree.ngram picks one, else `default`."""
 
-class NgramDrafter(DrafterEngine):
-    def __init__(self, spec: ModelSpec, *args, **options):
-        super().__init__(spec, *args, **options)
-        self.default_ngram = spec.source
+    def __init__(self, methods: dict[str, NgramProposer], default: str):
+        self.methods, self.default, self.info = methods, default, DrafterInfo()
 
-    def _load_tokenizer(self, spec: ModelSpec) -> None:
-        self.tokenizer, self.vocab_size, self.fingerprint = None, ANY_TOKEN, ""
-
-    def _kv_bytes_per_token(self) -> int:
-        return 0
-
-    def _load(self, spec: ModelSpec, steering_checkpoint: str | None) -> None:
-        if steering_checkpoint:
-            raise ValueError(f"the '{spec.source}' drafter has no model to steer; it takes no steering checkpoint")
-        self.model = self.engine = None
-        self.eos_ids, self.max_context, self.steering_size = [], ANY_TOKEN, 0
-
-    def _new_cache(self) -> None:
-        return None
-
-    def _proposer(self, shape: TreeShape) -> NgramProposer:
-        proposer = super()._proposer(shape)
-        if proposer is None:
+    def check(self, shape: TreeShape) -> None:
+        if shape.ngram == "none":
             raise invalid("tree.ngram none asks for a drafter model's drafts; this drafter has no model (it drafts n-grams only)")
-        return proposer
 
-    def _draft_after(
-        self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick: bool, pick_excludes: list[int],
-        steering: torch.Tensor | None,
-    ) -> Job:
+    def _method(self, shape: TreeShape) -> NgramProposer:
+        return self.methods[shape.ngram or self.default]
+
+    def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
         yield from ()  # a job that runs no forward
-        proposer = self._proposer(shape)
-        if pick:  # overlapped drafting: its pick is the first token of its draft, if it has one
-            first = proposer.propose(session.ngram, context, 1 + len(pick_excludes), 1).tree
-            options = [t for t in first.token_ids if t not in pick_excludes]
-            if not options:
-                return DraftTree(), 0.0, []
-            context.append(options[0])
-        draft = self._ngram_draft(session, proposer, context, budget, shape.max_depth, pick)
-        return draft.tree, 0.0, draft.confidence
+        first = self._method(shape).propose(session.ngram, context, 1 + len(excludes), 1).tree  # the first tokens of its draft
+        return next((t for t in first.token_ids if t not in excludes), None)
+
+    def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
+        yield from ()
+        draft = ngram_draft(session, self._method(shape), context, budget, shape.max_depth)
+        return draft.tree, draft.confidence

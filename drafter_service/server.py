@@ -36,7 +36,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     @reports_errors
     def Info(self, request, context):
-        return model_info(self.engine, self.engine.spec.source, self.batcher)
+        return model_info(self.engine.info, self.engine.sessions, self.engine.source, self.batcher)
 
     @reports_errors
     def Draft(self, request: drafter_pb2.DraftRequest, context):
@@ -54,18 +54,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         shape = shape_from_proto(request.tree_shape)
         steering = None
         if request.HasField("steering"):
-            if not self.engine.steering_size:
+            if not self.engine.info.steering_size:
                 raise invalid("a steering vector was sent, but this drafter has no steering checkpoint loaded (the config's steering_checkpoint)")
             try:
-                steering = vector_from_tensor(request.steering, self.engine.steering_size)
+                steering = vector_from_tensor(request.steering, self.engine.info.steering_size)
             except SteeringError as err:
                 raise invalid(str(err)) from None
         features = None
         if request.HasField("features"):
-            if not self.engine.feature_size:
+            if not self.engine.info.feature_size:
                 raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
             try:
-                features = request.features_start, rows_from_tensor(request.features, self.engine.feature_size)
+                features = request.features_start, rows_from_tensor(request.features, self.engine.info.feature_size)
             except SteeringError as err:
                 raise invalid(str(err)) from None
         with dropped_on_failure(self.engine.sessions, request.session_id):

@@ -7,8 +7,7 @@ import threading
 import pytest
 import torch
 
-from drafter_service.drafter import DrafterEngine
-from drafter_service.feature_drafter import FeatureDrafter
+from drafter_service.engines import drafter_for
 from specdec.core.batching import Batcher, Lockstep, run_alone
 from specdec.core.engine import ComputeThread
 from specdec.core.models import ModelSpec
@@ -126,14 +125,14 @@ def assert_drafts_batch_exactly(engine, shape: TreeShape, features=lambda commit
 
 @pytest.mark.parametrize("method", ["chain", "dynamic"])
 def test_model_drafts_batched_together_are_the_drafts_each_gets_alone(tiny_dirs, method):
-    engine = DrafterEngine(ModelSpec(str(tiny_dirs["drafter"]), dtype="int8"))
-    assert engine.engine.native_layers is not None
+    engine = drafter_for(ModelSpec(str(tiny_dirs["drafter"]), dtype="int8"))
+    assert engine.drafter.inner.engine.native_layers is not None
     assert_drafts_batch_exactly(engine, TreeShape(method, width=2))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float32"])
 def test_feature_head_drafts_batched_together_are_the_drafts_each_gets_alone(head_dir, dtype):  # noqa: F811
-    engine = FeatureDrafter(ModelSpec(str(head_dir), dtype=dtype))
-    assert (engine.native_layer is not None) == (dtype == "int8")
+    engine = drafter_for(ModelSpec(str(head_dir), dtype=dtype))
+    assert (engine.drafter.inner.native_layer is not None) == (dtype == "int8")
     features = lambda committed: (0, torch.randn(committed - 1, 32, generator=torch.Generator().manual_seed(committed)))  # noqa: E731
     assert_drafts_batch_exactly(engine, TreeShape("dynamic", width=2), features)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coordinator.clients import PairMismatch
-from drafter_service.feature_drafter import FeatureDrafter
+from drafter_service.engines import drafter_for
 from specdec.core.feature_head import FeatureHead, load_feature_fuse, save_feature_head
 from specdec.core.models import ModelSpec, hf_greedy, load_model
 from specdec.core.sampling import Sampling
@@ -59,8 +59,8 @@ def test_checkpoint_stores_neither_embeddings_nor_head_rows(head_dir):
 def test_training_time_test_computes_what_a_live_draft_computes(head_dir):
     """Step k of the unrolled head at position i equals the k-th token of a live chain drafted
     after position i-k+1 by the drafter service's own code."""
-    drafter = FeatureDrafter(ModelSpec(str(head_dir)))
-    head = drafter.head
+    drafter = drafter_for(ModelSpec(str(head_dir)))
+    head = drafter.drafter.inner.head
     context = [1, 4, 7, 3, 9, 5]
     features = torch.randn(len(context) + 3, head.hidden_size)
     session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
@@ -292,13 +292,13 @@ def test_an_int8_head_drafts_like_the_float32_head(head_dir):
     features = (0, torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(1)))
     chains = []
     for dtype in ("float32", "int8"):
-        drafter = FeatureDrafter(ModelSpec(str(head_dir), dtype=dtype))
+        drafter = drafter_for(ModelSpec(str(head_dir), dtype=dtype))
         session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
         tree = drafter.draft("s", session, [], len(context), 6, TreeShape("dynamic", width=2), features=features).tree
         chains.append(tree)
     assert len(chains[1]) == 6 and chains[1].token_ids[0] == chains[0].token_ids[0]
     with pytest.raises(ValueError, match="float32 or int8"):
-        FeatureDrafter(ModelSpec(str(head_dir), dtype="bfloat16"))
+        drafter_for(ModelSpec(str(head_dir), dtype="bfloat16"))
 
 
 def test_batched_samples_equal_the_one_at_a_time_path(tiny_dirs, tiny_verifier, vocab_dir):

@@ -202,7 +202,7 @@ def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, me
     context's n-grams) guesses the drafter's tokens; checked in the forwards the drafter runs
     anyway, right guesses save forwards and change nothing. With memory across requests a
     second session starts from what the first taught it; without, each starts afresh."""
-    from drafter_service.drafter import DrafterEngine
+    from drafter_service.engines import drafter_for
     from specdec.core.models import ModelSpec, load_model
     from specdec.core.sampling import Sampling
     from specdec.core.tree import TreeShape
@@ -210,9 +210,9 @@ def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, me
     spec = ModelSpec(str(tiny_dirs["drafter"]))
     # The tiny drafter soon repeats itself: its own output is the context the n-grams learn from.
     context = [1, 5, 9] + hf_greedy(load_model(spec), [1, 5, 9], 24)
-    plain = DrafterEngine(spec)
-    staged = DrafterEngine(spec, ngram=NgramSettings(min_ngram=1), staged_lookahead=4)
-    alone = DrafterEngine(spec, ngram=NgramSettings(min_ngram=1, recent_output_tokens=0), staged_lookahead=4)  # no memory across requests
+    plain = drafter_for(spec)
+    staged = drafter_for(spec, ngram=NgramSettings(min_ngram=1), staged_lookahead=4)
+    alone = drafter_for(spec, ngram=NgramSettings(min_ngram=1, recent_output_tokens=0), staged_lookahead=4)  # no memory across requests
     shape = TreeShape(method=method, width=2)
     trees, forwards = {}, {}
     for engine in (plain, staged, alone):

@@ -91,7 +91,7 @@ def test_sessions_reading_a_cached_prefix_get_what_a_full_read_gives(tiny_dirs, 
     block = BLOCK_TOKENS
     assert prefix.hit_tokens == (2 * block + block) + (2 * block + 2 * block + block + 2 * block)
     assert prefix.hit_tokens + prefix.read_tokens == 2 * sum(len(p) - 1 for p in PROMPTS)
-    info = model_info(cached_engine, "tiny")  # what the replicas export to Prometheus
+    info = model_info(cached_engine, cached_engine.sessions, "tiny")  # what the replicas export to Prometheus
     assert (info.prefix_hit_tokens, info.prefix_read_tokens) == (prefix.hit_tokens, prefix.read_tokens)
 
 

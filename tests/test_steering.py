@@ -378,7 +378,7 @@ def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(ste
     """A steering vector changes what a fed node's cache rows hold, so a staged drafter may
     reuse across calls only the nodes the drafter alone would have fed, not its guesses; its
     drafts stay the drafter's own, round after round, with a new vector each round."""
-    from drafter_service.drafter import DrafterEngine
+    from drafter_service.engines import drafter_for
     from specdec.core.ngram import NgramSettings
     from specdec.core.sampling import Sampling
     from specdec.core.tree import ROOT, TreeShape
@@ -391,8 +391,8 @@ def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(ste
     (tmp_path / "steering").mkdir()
     save_steering(tmp_path / "steering", str(steer_dirs["verifier"]), VerifierSteering(32, default_layers(4)), drafter_part, max_offset=4)
     context = [1, 5, 9] + hf_greedy(load_model(spec), [1, 5, 9], 24)
-    plain = DrafterEngine(spec, steering_checkpoint=str(tmp_path / "steering"))
-    staged = DrafterEngine(spec, steering_checkpoint=str(tmp_path / "steering"), ngram=NgramSettings(min_ngram=1), staged_lookahead=4)
+    plain = drafter_for(spec, steering_checkpoint=str(tmp_path / "steering"))
+    staged = drafter_for(spec, steering_checkpoint=str(tmp_path / "steering"), ngram=NgramSettings(min_ngram=1), staged_lookahead=4)
     sessions = [engine.open_session("s", context, Sampling(temperature=0.0), "") for engine in (plain, staged)]
     vectors = torch.Generator().manual_seed(3)
     new, vector, reused_guesses = [], None, 0
@@ -403,7 +403,7 @@ def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(ste
         assert drafts[1] == drafts[0]
         # Commit the whole draft and then, where the staged drafter fed a guess after it, that
         # guess: the very case where reusing a guess would keep rows made under the old vector.
-        fed, node = sessions[1].fed_tree, ROOT
+        fed, node = sessions[1].state.fed_tree, ROOT
         for token in drafts[0]:
             node = next((c for c in fed.children(node) if fed.token_ids[c] == token), None)
             if node is None:

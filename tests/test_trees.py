@@ -419,10 +419,7 @@ def test_a_reduced_vocabulary_gives_the_distribution_the_full_one_gives(sampling
     """A drafter whose head covers a draft vocabulary (the logits of those tokens alone)
     normalises over that vocabulary: the same probabilities and the same top tokens as a
     full-vocabulary head with -inf logits elsewhere, and for sampling the same sparse proposal."""
-    import functools
-    import types
-
-    from drafter_service.drafter import DrafterEngine
+    from drafter_service.distributions import next_tokens
     from specdec.core.sampling import Sampling
 
     vocab_size, support = 500, torch.tensor(sorted(torch.randperm(500, generator=torch.Generator().manual_seed(3))[:60].tolist()))
@@ -431,9 +428,7 @@ def test_a_reduced_vocabulary_gives_the_distribution_the_full_one_gives(sampling
     settings_ = Sampling(*sampling)
     dists = []
     for draft_vocab, rows in ((None, logits), (support, logits[support])):
-        drafter = types.SimpleNamespace(draft_vocab=draft_vocab, vocab_size=vocab_size, proposal_top_k=16)
-        drafter._proposal = functools.partial(DrafterEngine._proposal, drafter)
-        dists.append(DrafterEngine._next_tokens(drafter, rows[None], settings_)[0])
+        dists.append(next_tokens(rows[None], settings_, draft_vocab, 16)[0])
     full, reduced = dists
     full_tokens, full_probs = full.possible()
     reduced_tokens, reduced_probs = reduced.possible()

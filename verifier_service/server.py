@@ -28,7 +28,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @reports_errors
     def Info(self, request, context):
-        return model_info(self.engine, self.engine.spec.source, self.batcher)
+        return model_info(self.engine, self.engine.sessions, self.engine.spec.source, self.batcher)
 
     @reports_errors
     def Verify(self, request: verifier_pb2.VerifyRequest, context):

@@ -43,8 +43,9 @@ def sampling_from_proto(message: common_pb2.SamplingParams, field_prefix: str = 
     return Sampling(message.temperature, top_p, message.top_k, message.seed)
 
 
-def model_info(engine, model_name: str, batcher=None) -> common_pb2.ModelInfo:
-    """What a service runs, and its load. A drafter without a model (n-gram) reports no
+def model_info(engine, sessions, model_name: str, batcher=None) -> common_pb2.ModelInfo:
+    """What a service runs (`engine`: the verifier's engine, or a drafter's DrafterInfo), and its
+    load (`sessions`: its SessionStore). A drafter without a model (n-gram) reports no
     tokenizer, vocabulary or context limit: it takes any verifier's token ids."""
     config = engine.model.config if engine.model is not None else None
     prefix = getattr(engine, "prefix", None)  # the verifier's
@@ -60,8 +61,8 @@ def model_info(engine, model_name: str, batcher=None) -> common_pb2.ModelInfo:
         steering_fingerprint=engine.steering_fingerprint,
         feature_size=engine.feature_size,
         feature_fingerprint=engine.feature_fingerprint,
-        active_sessions=len(engine.sessions),
-        kv_cache_mib=engine.sessions.nbytes() / 2**20,
+        active_sessions=len(sessions),
+        kv_cache_mib=sessions.nbytes() / 2**20,
         resident_mib=resident_mib(),
         forward_passes=batcher.passes if batcher else 0,
         batched_calls=batcher.calls if batcher else 0,
@@ -69,7 +70,7 @@ def model_info(engine, model_name: str, batcher=None) -> common_pb2.ModelInfo:
         batch_queue_ms=batcher.queue_ms if batcher else 0.0,
         prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
         prefix_read_tokens=prefix.read_tokens if prefix else 0,
-        evicted_sessions=engine.sessions.evicted,
+        evicted_sessions=sessions.evicted,
     )
 
 

@@ -1,0 +1,121 @@
+"""The one interface every drafting method implements, as vLLM's proposers and transformers'
+`CandidateGenerator` do: a session's own state, a token picked ahead, a tree drafted after a
+context. The model drafter, the feature head, the n-gram drafters and the oracle are peers
+behind it; hybrid drafting wraps any of them. The service (drafter_service/drafter.py) does what
+is common to all: sessions, request checks, round numbers, committed tokens and their n-gram
+index."""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.core.batching import Job
+from specdec.core.ngram import NgramDraft, NgramIndex, NgramProposer
+from specdec.core.sampling import Sampling
+from specdec.core.tree import DraftTree, TreeShape
+from specdec.serving.rpc import invalid
+
+ANY_TOKEN = 2**31 - 1  # a drafter without a tokenizer takes any id: the verifier checks them
+
+
+@dataclass
+class Draft:
+    """One Draft call's answer."""
+
+    tree: DraftTree
+    assumed: list[int]  # the assumed tokens and the drafter's pick after them (overlapped drafting)
+    compute_ms: float
+    steering_ms: float  # of compute_ms, turning the steering vector into deltas
+    forward_passes: int
+    confidence: list[float]  # per node, the chance the verifier accepts its path; [] = no estimate
+
+
+@dataclass
+class DrafterSession:
+    """What the service keeps of every session, whatever drafts it; `state` is the drafter's own."""
+
+    tokens: list[int]  # the committed context
+    sampling: Sampling
+    generator: torch.Generator
+    ngram: NgramIndex  # the n-gram index of the committed tokens
+    state: Any = None
+    prompt_length: int = 0  # of tokens: the context it was opened with
+    forward_passes: int = 0  # model forwards run for this session
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # The last n-gram draft and its proposer, which learns from the tokens committed after it.
+    lesson: tuple[NgramProposer, NgramDraft] | None = None
+    # The last call's round number and answer: a retried round gets the same answer again.
+    last_round: int = 0
+    last_draft: Draft | None = None
+
+
+@dataclass
+class DrafterInfo:
+    """What a drafter reports (ModelInfo) and what the service checks requests against."""
+
+    model: torch.nn.Module | None = None  # its config describes the drafter; None = no model
+    vocab_size: int = ANY_TOKEN
+    fingerprint: str = ""  # of its tokenizer; "" = it reads token ids only
+    eos_ids: list[int] = field(default_factory=list)
+    max_context: int = ANY_TOKEN
+    kv_bytes_per_token: int = 0
+    steering_size: int = 0  # SD²: the steering vector it reads; 0 = none
+    steering_fingerprint: str = ""
+    feature_size: int = 0  # a feature head: the verifier feature it reads; 0 = none
+    feature_fingerprint: str = ""
+
+
+class Drafter(ABC):
+    """A drafting method. Its jobs (specdec/core/batching.py) yield the forwards they need and
+    `forward_many` runs those of many sessions together; a drafter without a model yields none."""
+
+    info: DrafterInfo
+
+    def new_state(self, context: list[int], sampling: Sampling) -> Any:
+        """A new session's state of this drafter's own (its cache, say); None = it keeps none."""
+        return None
+
+    def check(self, shape: TreeShape) -> None:
+        """Refuses (invalid) a plan this drafter cannot serve, before the round changes anything."""
+
+    def begin_round(self, session: DrafterSession, steering: torch.Tensor | None) -> float:
+        """Readies a round under a steering vector (SD²; None = unsteered); the ms that took."""
+        return 0.0
+
+    def end_round(self, session: DrafterSession) -> None:
+        """The round is over, drafted or failed."""
+
+    def take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
+        """The verifier's features of positions start.. (a feature head reads them)."""
+        raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
+
+    @abstractmethod
+    def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
+        """Overlapped drafting: the job's value is this drafter's guess of the token after
+        `context`, its likeliest outside `excludes`; None = it has none (then no draft)."""
+
+    @abstractmethod
+    def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
+        """The job's value: (a tree of at most `budget` nodes after `context`, each node's chance
+        that the verifier accepts its path, [] = no estimate). `context` is the committed tokens
+        and, in overlapped drafting, the assumed and picked ones after them."""
+
+    def forward_many(self, forwards: list) -> list:
+        """The forwards several sessions' jobs yielded, run together."""
+        raise NotImplementedError(f"{type(self).__name__} runs no forwards")
+
+    def state_bytes(self, state: Any) -> int:
+        """Memory a session's state holds (counted against limits.max_kv_mib)."""
+        return 0
+
+
+def ngram_draft(session: DrafterSession, proposer: NgramProposer, context: list[int], budget: int, max_depth: int) -> NgramDraft:
+    """The proposer's draft after `context`; one made right after the committed tokens is kept,
+    to learn from what gets committed next."""
+    draft = proposer.propose(session.ngram, context, budget, max_depth)
+    session.lesson = (proposer, draft) if draft.tree and len(context) == len(session.tokens) else None
+    return draft
