@@ -16,12 +16,8 @@ from drafter_service.distributions import likeliest, next_tokens
 from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession
 from drafter_service.tree_builders import builder_for
 from specdec.core.batching import Job
-from specdec.core.engine import (
-    RotaryTable,
-    fused_linear,
-    native_layer,
-    quantize_linears,
-)
+from specdec.core.engine import RotaryTable
+from specdec.core.int8 import fused_linear, native_layer, quantize_linears
 from specdec.core.feature_head import (
     feature_fingerprint,
     load_feature_head,

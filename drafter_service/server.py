@@ -8,7 +8,7 @@ import grpc
 from drafter_service.drafter import DrafterEngine
 from drafter_service.engines import drafter_for
 from specdec.core.batching import Batcher
-from specdec.core.engine import ComputeThread
+from specdec.core.batching import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
 from specdec.serving.config import LimitsConfig

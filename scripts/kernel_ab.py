@@ -24,11 +24,17 @@ import torch
 from tqdm import tqdm
 
 import specdec.core.engine as engine_module
+import specdec.core.int8 as int8_module
 from specdec.core.kernels import KERNEL_SOURCE, build
 from specdec.core.models import load_model
 from specdec.serving.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def use(kernels) -> None:
+    """Makes `kernels` the build the engine's attention and the int8 layers ask for (each call)."""
+    engine_module.native = int8_module.native = lambda: kernels
 
 
 def source_at(revision: str | None) -> str:
@@ -65,7 +71,7 @@ def main() -> None:
         raise SystemExit(f"the verifier ({spec.dtype}) does not run on the native kernels")
     layers = {}  # each build's own layer objects (one build's LayerWeights is a type the other does not know)
     for name, kernels in builds.items():
-        engine_module.native = lambda kernels=kernels: kernels
+        use(kernels)
         layers[name] = engine._native_layers(model.config)
     tokens = [int(k) for k in args.tokens.split(",")]
     ids = torch.randint(1000, 40000, (args.context + max(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
@@ -77,7 +83,7 @@ def main() -> None:
             for k in tokens:
                 for name in ("base", "new") if pair % 2 else ("new", "base"):
                     kernels = builds[name]
-                    engine_module.native = lambda kernels=kernels: kernels  # the layers ask for it each call
+                    use(kernels)
                     engine.native_layers, engine.lm_head.kernels = layers[name], kernels
                     cache.truncate(args.context)
                     start = time.perf_counter()

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from drafter_service.engines import drafter_for
-from specdec.core.batching import Batcher, Lockstep, run_alone
-from specdec.core.engine import ComputeThread
+from specdec.core.batching import Batcher, ComputeThread, Lockstep, run_alone
 from specdec.core.models import ModelSpec
 from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree, TreeShape

@@ -6,13 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdec.core.engine import (
-    ForwardCall,
-    Int8Linear,
-    KVCache,
-    LlamaEngine,
-    quantize_linears,
-)
+from specdec.core.engine import ForwardCall, KVCache, LlamaEngine
+from specdec.core.int8 import Int8Linear, quantize_linears
 from specdec.core.hub import load_model_weights_only
 from specdec.core.kernels import native
 from specdec.core.tree import DraftTree, verification_inputs
@@ -23,7 +18,8 @@ from tests.tiny_models import build_model_dir
 def kernels(request, monkeypatch):
     """Runs a test on the engine's native kernels and again on its torch-ops fallback."""
     if request.param == "torch":
-        monkeypatch.setattr("specdec.core.engine.native", lambda: None)
+        for module in ("engine", "int8"):
+            monkeypatch.setattr(f"specdec.core.{module}.native", lambda: None)
     elif native() is None:
         pytest.fail("the native engine kernels did not build on this machine (see the log)")
     return request.param
@@ -96,7 +92,7 @@ def test_native_int8_linear_equals_the_torch_ops_bit_for_bit(shape, monkeypatch)
     for layer in (Int8Linear.from_linear(linear), Int8Linear.from_linear(linear, torch.rand(in_features) + 0.1)):
         assert layer.kernels is not None
         with monkeypatch.context() as torch_ops:
-            torch_ops.setattr("specdec.core.engine.native", lambda: None)
+            torch_ops.setattr("specdec.core.int8.native", lambda: None)
             reference = Int8Linear(layer.weight, layer.scale, layer.bias, layer.smoothing)
         for rows in (1, 2, 5, 8, 9, 13, 16, 17, 33):
             x = torch.randn(rows, in_features) * 4

@@ -6,7 +6,7 @@ import time
 import grpc
 
 from specdec.core.batching import Batcher
-from specdec.core.engine import ComputeThread
+from specdec.core.batching import ComputeThread
 from specdec.core.models import set_torch_threads
 from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import InProcessClient, invalid, reports_errors, start_model_server

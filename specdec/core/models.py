@@ -15,7 +15,8 @@ from specdec.core.drafter_checkpoint import (
     is_drafter_checkpoint,
     load_drafter,
 )
-from specdec.core.engine import quantize_linears, torch_dtype
+from specdec.core.engine import torch_dtype
+from specdec.core.int8 import quantize_linears
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
 from specdec.core.hub import load_model_weights_only, local_source, resolve_alias
