@@ -255,7 +255,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @reports_errors
     def GenerateStream(self, request, context):
         with self.coordinator.slot(context):
-            yield from self.coordinator.generate(request, *_bounds(context))
+            for response in self.coordinator.generate(request, *_bounds(context)):
+                if response.finish_reason:
+                    break
+                yield response
+            else:
+                return  # the client went away
+        yield response  # the last, with the slot free again: the client may ask anew as soon as it has it
 
 
 def _bounds(context) -> tuple[float | None, Callable[[], bool], Callable | None]:

@@ -255,6 +255,30 @@ def test_a_cancelled_stream_frees_its_slot_at_once(tiny_dirs, monkeypatch):
         client.close()
 
 
+def test_a_finished_stream_frees_its_slot_before_its_last_message(tiny_dirs, monkeypatch):
+    """At the limit, a client that has read a stream's last message (the one with finish_reason)
+    may ask again at once, without waiting for the stream's end, even where the server's thread
+    runs on late after sending it."""
+    from coordinator.server import Coordinator
+    from tests.conftest import local_stack
+
+    answer = Coordinator.generate
+
+    def late_after_the_last(self, *args, **kwargs):
+        yield from answer(self, *args, **kwargs)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(Coordinator, "generate", late_after_the_last)
+    config = tiny_config(tiny_dirs, num_draft_tokens=3) | {"limits": {"max_concurrent_requests": 1}}
+    with local_stack(config) as stack:
+        client = CoordinatorClient(stack["coordinator"])
+        for _ in range(5):
+            stream = client.stream(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=6))
+            assert next(part for part in stream if part.finish_reason)
+            assert client.generate(generate_request(prompt_token_ids=[1, 9], max_new_tokens=2)).finish_reason
+        client.close()
+
+
 def test_a_restarting_verifier_is_waited_for_and_the_session_reopened(tiny_dirs, tiny_verifier, monkeypatch):
     """The verifier goes away mid-stream and is back on its port 0.3 s later, without the
     session: the coordinator retries with back-off, re-opens with the full context (re-prefill),
@@ -299,8 +323,9 @@ def test_a_restarting_verifier_is_waited_for_and_the_session_reopened(tiny_dirs,
 
 
 def test_health_says_whether_the_verifier_can_be_reached(tiny_dirs):
-    """The coordinator's health follows the verifier: NOT_SERVING while it is gone (no request
-    could be served), SERVING once it is back."""
+    """The coordinator's health follows the verifier: NOT_SERVING while it is gone, when a
+    request fails UNAVAILABLE within seconds with a message that says so (and names no internal
+    address), SERVING once it is back."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from specdec.serving.rpc import wait_until_serving
@@ -324,6 +349,13 @@ def test_health_says_whether_the_verifier_can_be_reached(tiny_dirs):
         while status() != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "health still says SERVING with the verifier gone"
             time.sleep(0.5)
+        client = CoordinatorClient(address)
+        asked = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=4), timeout=30)
+        client.close()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - asked < 10
+        assert "no verifier replica answers" in refused.value.details() and "localhost" not in refused.value.details()
         config.verifier.port = v_port
         servers[2], _ = verifier_service.server.start(config.verifier)
         wait_until_serving(address, 60, "specdec.v1.Coordinator")
