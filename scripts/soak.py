@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from specdec.bench.cluster import LocalCluster
 from specdec.core.prompts import evaluation_split, load_prompts
 from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.rpc import MeasuredClient
@@ -45,7 +46,9 @@ def service_state(app: str = "specdec") -> dict:
         client = MeasuredClient(serve.get_deployment_handle(name, app_name=app).address.remote().result(), service)
         info, _ = client.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo)
         client.close()
-        state[name.lower()] = {"sessions": info.active_sessions, "kv_cache_mib": round(info.kv_cache_mib, 1), "resident_mib": round(info.resident_mib, 1)}
+        state[name.lower()] = {
+            "sessions": info.active_sessions, "kv_cache_mib": round(info.kv_cache_mib, 1), "resident_mib": round(info.resident_mib, 1)
+        }
     return state
 
 
@@ -62,17 +65,25 @@ class Soak:
         """The verifier alone's greedy answer to every prompt: what speculation must equal."""
         client = CoordinatorClient(self.address)
         for prompt in self.prompts:
-            reply = client.generate(generate_request(prompt, use_chat_template=True, max_new_tokens=self.max_new_tokens, num_draft_tokens=0))
+            reply = client.generate(
+                generate_request(prompt, use_chat_template=True, max_new_tokens=self.max_new_tokens, num_draft_tokens=0)
+            )
             self.references[prompt] = list(reply.token_ids)
         client.close()
 
     def worker(self, seed: int) -> None:
-        rng, client = random.Random(seed), CoordinatorClient(self.address)
+        rng, client, kind = random.Random(seed), CoordinatorClient(self.address), None
         while time.monotonic() < self.until:
-            kind = rng.choices(["greedy", "sampled", "cancelled", "bad"], weights=[5, 3, 1, 1])[0]
+            cancelled, kind = kind == "cancelled", rng.choices(["greedy", "sampled", "cancelled", "bad"], weights=[5, 3, 1, 1])[0]
             try:
                 self._one(client, rng, kind)
             except grpc.RpcError as err:
+                # With every worker busy, the slot of the stream this one just cancelled is free
+                # only once the coordinator hears of the cancel: a refusal then is the limit's.
+                if cancelled and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._count("refused right after its own cancel")
+                    time.sleep(0.05)
+                    continue
                 self._record(f"{kind}: {err.code().name}: {err.details()}")
         client.close()
 
@@ -119,6 +130,8 @@ class Soak:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", help="a running coordinator (its Ray cluster must be reachable); default: start the stack here")
+    parser.add_argument("--cluster", action="store_true", help="start it on a multi-node Ray cluster on this machine "
+                        "(specdec/bench/cluster.py: a worker node each for the verifier and the drafter)")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -126,12 +139,17 @@ def main() -> None:
     parser.add_argument("--out", default="docs/benchmarks/soak.json")
     args = parser.parse_args()
 
+    cluster = LocalCluster({"coordinator_node": 1}).__enter__() if args.cluster else None  # before Ray is imported
     import ray
 
     from specdec.serving.launch import start_stack, stop_stack
 
     address = args.address
-    if address is None:
+    if cluster is not None:
+        for resource in ("verifier_node", "drafter_node"):
+            cluster.start_node(resource)
+        address = cluster.deploy({}, 50051)
+    elif address is None:
         address = start_stack({}, 50051)
     elif not ray.is_initialized():
         ray.init(address="auto")
@@ -153,7 +171,10 @@ def main() -> None:
         time.sleep(1)
         after = service_state()
     report = {
-        "command": "python scripts/soak.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "address"),
+        "command": "python scripts/soak.py " + " ".join(
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+            for k, v in vars(args).items() if v not in (None, False) and k != "address"
+        ),
         "minutes": args.minutes,
         "concurrency": args.concurrency,
         "outcomes": dict(soak.outcomes),
@@ -167,7 +188,9 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    if args.address is None:
+    if cluster is not None:
+        cluster.__exit__(None, None, None)
+    elif args.address is None:
         stop_stack()
     ok = not soak.unexpected and report["sessions_left"] == 0
     raise SystemExit(0 if ok else 1)

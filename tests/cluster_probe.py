@@ -1,6 +1,7 @@
 """Run by tests/test_cluster.py in a fresh process (Ray caches its auth mode per process):
 deploys the app on a running Ray cluster the way `specdec serve --ray-address` does, then
-prints, as JSON on a line that starts `PROBE `, where each replica runs, one greedy answer and the replicas' own metric calls.
+prints, as JSON on a line that starts `PROBE `, where each replica runs, the client address it
+gave, one greedy answer and the replicas' own metric calls.
 
     python tests/cluster_probe.py RAY_ADDRESS CONFIG_JSON PORT"""
 from __future__ import annotations
@@ -18,19 +19,22 @@ def main() -> None:
     from specdec.serving.launch import start_stack
 
     client_address = start_stack(config, port, ray_address=address, proxies=False)
-    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-    placement = {}
+    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    placement, node_address = {}, {}
     for actor in ray._private.state.actors().values():  # the state API needs the dashboard; the GCS table does not
         name = actor.get("ActorClassName", "")
         if actor["State"] == "ALIVE" and name.startswith("ServeReplica:"):
-            placement[name.rsplit(":", 1)[1]] = {k: v for k, v in nodes[actor["Address"]["NodeID"]].items() if k.endswith("_node")}
+            node = nodes[actor["Address"]["NodeID"]]
+            placement[name.rsplit(":", 1)[1]] = {k: v for k, v in node["Resources"].items() if k.endswith("_node")}
+            node_address[name.rsplit(":", 1)[1]] = node["NodeManagerAddress"]
     client = CoordinatorClient(client_address)
     reply = client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=24, num_draft_tokens=3))
     client.close()
     own_calls = {name: serve.get_deployment_handle(name, app_name="specdec").record_autoscaling_stats.remote().result()
                  for name in ("Verifier", "Drafter")}
     print("PROBE " + json.dumps({
-        "placement": placement, "token_ids": list(reply.token_ids), "speculative_rounds": reply.stats.speculative_rounds,
+        "placement": placement, "client_address": client_address, "node_address": node_address, "token_ids": list(reply.token_ids),
+        "speculative_rounds": reply.stats.speculative_rounds,
         "draft_wire_ms": reply.stats.draft_wire_ms, "verify_wire_ms": reply.stats.verify_wire_ms, "own_calls": own_calls,
     }), flush=True)
     serve.shutdown()

@@ -11,6 +11,7 @@ import time
 
 import ray
 
+HEAD_NODE = "node:__internal_head__"  # a resource only Ray's head node has
 EXPIRES_S = 15.0  # three missed announcements (specdec/serving/replica.py announces every 5 s)
 
 
@@ -35,7 +36,9 @@ class ReplicaDirectory:
 
 def replica_directory(app_name: str):
     """The application's directory, created by whichever replica asks first. Detached, so it
-    outlives the replica that created it when Serve scales that one away."""
+    outlives the replica that created it when Serve scales that one away; on the head node, as
+    Serve's controller is, so that it outlives the loss of any worker node."""
     return ReplicaDirectory.options(
-        name=f"specdec-replicas-{app_name}", namespace="specdec", lifetime="detached", get_if_exists=True
+        name=f"specdec-replicas-{app_name}", namespace="specdec", lifetime="detached", get_if_exists=True,
+        resources={HEAD_NODE: 0.001},
     ).remote()

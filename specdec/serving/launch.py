@@ -43,15 +43,16 @@ def start_stack(
         http_options={"host": "0.0.0.0", "port": http_port, **https},
         grpc_options={"port": grpc_proxy_port, "grpc_servicer_functions": [COORDINATOR_SERVICER], "enable_reflection": True},
     )
-    return deploy(app_args, port, timeout_s)
+    return deploy(app_args, port, timeout_s, on_cluster=ray_address is not None)
 
 
-def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_NAME) -> str:
+def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_NAME, on_cluster: bool = False) -> str:
     """(Re)deploys the application `name` on the running Serve instance; returns its client
-    address once it reports SERVING. A redeploy with other settings must use another port: the
-    old coordinator may still hold its own while the new one starts. Applications of other
-    names run side by side (the benchmark compares drafters that way); their HTTP routes start
-    with /<name>."""
+    address once it reports SERVING: localhost:port, or `on_cluster` the address of the node a
+    coordinator replica runs on, which clients on other nodes can reach. A redeploy with other
+    settings must use another port: the old coordinator may still hold its own while the new
+    one starts. Applications of other names run side by side (the benchmark compares drafters
+    that way); their HTTP routes start with /<name>."""
     from ray import serve
 
     from specdec.serving.app import build_app, build_config
@@ -59,9 +60,26 @@ def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_
     tls = build_config(app_args).coordinator.tls
     route = "/" if name == APP_NAME else f"/{name}"
     serve.run(build_app(app_args), name=name, route_prefix=route, blocking=False)
-    address = f"localhost:{port}"
+    if on_cluster:  # Serve answers once the coordinator replica is up (the model replicas first)
+        address = serve.get_deployment_handle("Coordinator", app_name=name).address.remote().result(timeout_s=timeout_s)
+    else:
+        address = f"localhost:{port}"
     wait_until_serving(address, timeout_s, root_certificates=tls.trusted() if tls.enabled else None)
     return address
+
+
+def start_beside(app_args: dict, port: int, index: int) -> str:
+    """The index-th of several stacks side by side on one Serve instance, as the benchmarks
+    compare them: the first starts Ray and Serve (no proxies), the others deploy beside it
+    under names of their own. Returns its client address."""
+    if index == 0:
+        return start_stack(app_args, port, proxies=False)
+    return deploy(app_args, port, name=beside_name(index))
+
+
+def beside_name(index: int) -> str:
+    """The Serve application name of the index-th stack side by side (start_beside)."""
+    return f"{APP_NAME}-{index}" if index else APP_NAME
 
 
 def start_local_ray(attempts: int = 3) -> None:
