@@ -26,7 +26,8 @@ def oracle_stack(tiny_dirs, tmp_path_factory):
     with local_stack(config) as stack:
         client = CoordinatorClient(stack["coordinator"])
         alone = [
-            list(client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=NEW_TOKENS, num_draft_tokens=0)).token_ids) for ids in PROMPTS
+            list(client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=NEW_TOKENS, num_draft_tokens=0)).token_ids)
+            for ids in PROMPTS
         ]
         write_references(references, list(zip(PROMPTS, alone)))
         yield client, alone
@@ -53,7 +54,9 @@ def test_oracle_is_exact_when_sampling_and_drafting_ahead(oracle_stack):
     """Sampled: its point-mass drafts are verified exactly, and once a sampled token leaves the
     reference it drafts nothing. Overlapped: its pick is the reference's next token."""
     client, alone = oracle_stack
-    sampled = client.generate(generate_request(prompt_token_ids=PROMPTS[0], max_new_tokens=NEW_TOKENS, num_draft_tokens=3, temperature=1.0, seed=3))
+    sampled = client.generate(
+        generate_request(prompt_token_ids=PROMPTS[0], max_new_tokens=NEW_TOKENS, num_draft_tokens=3, temperature=1.0, seed=3)
+    )
     assert len(sampled.token_ids) == NEW_TOKENS or sampled.finish_reason == "stop"
     ahead = client.generate(generate_request(prompt_token_ids=PROMPTS[1], max_new_tokens=NEW_TOKENS, num_draft_tokens=3, overlap=True))
     assert list(ahead.token_ids) == alone[1]
@@ -111,7 +114,7 @@ def test_round_anatomy_adds_up(tiny_dirs):
 
 
 def test_bench_rows_carry_the_anatomy_with_each_hop_beside_its_loopback_floor(tmp_path):
-    from specdec.bench.main import Tally, add_hop_floors, format_anatomy, plot_anatomy
+    from specdec.bench.speed import Tally, add_hop_floors, format_anatomy, plot_anatomy
     from specdec.v1 import coordinator_pb2
 
     def response(rounds: int, round_ms: float, draft_bytes: float) -> coordinator_pb2.GenerateResponse:

@@ -156,7 +156,9 @@ def concurrency_checks(rows: list[dict], mismatches: list[dict]) -> list[dict]:
     for policy in sorted({r["policy"] for r in rows}):
         if (levels[0], policy) in at:
             scale = at[levels[-1], policy] / at[levels[0], policy]
-            checks.append({"check": f"{policy}: aggregate at {levels[-1]} streams >= 3x at {levels[0]}", "value": scale, "passed": scale >= 3})
+            checks.append(
+                {"check": f"{policy}: aggregate at {levels[-1]} streams >= 3x at {levels[0]}", "value": scale, "passed": scale >= 3}
+            )
     bursts = {(r["concurrency"], r["policy"]): r["burst_tokens_per_second"] for r in rows}
     for level in levels:
         best = max((p for n, p in at if n == level and p != "adaptive"), key=lambda p: at[level, p])
@@ -172,12 +174,16 @@ def concurrency_checks(rows: list[dict], mismatches: list[dict]) -> list[dict]:
 
 
 def format_concurrency(report: dict) -> str:
-    lines = [f"{'streams':>7}  {'policy':<16} {'tok/s':>7} {'bursts':>13} {'req p50 s':>9} {'req p99 s':>9} {'ms/tok p50':>10} {'ms/tok p99':>10}  plans"]
+    lines = [
+        f"{'streams':>7}  {'policy':<16} {'tok/s':>7} {'bursts':>13} {'req p50 s':>9} {'req p99 s':>9} "
+        f"{'ms/tok p50':>10} {'ms/tok p99':>10}  plans"
+    ]
     for r in report["results"]:
         bursts = r.get("burst_tokens_per_second") or [r["tokens_per_second"]]
         lines.append(
             f"{r['concurrency']:>7}  {r['policy']:<16} {r['tokens_per_second']:7.1f} {f'{min(bursts):.0f}-{max(bursts):.0f}':>13} "
-            f"{r['request_s']['p50']:9.2f} {r['request_s']['p99']:9.2f} {r['ms_per_token']['p50']:10.1f} {r['ms_per_token']['p99']:10.1f}  {r['plan_rounds']}"
+            f"{r['request_s']['p50']:9.2f} {r['request_s']['p99']:9.2f} {r['ms_per_token']['p50']:10.1f} {r['ms_per_token']['p99']:10.1f}  "
+            f"{r['plan_rounds']}"
         )
     lines += [f"{'PASS' if c['passed'] else 'FAIL'}  {c['check']}" + _check_value(c) for c in report["checks"]]
     return "\n".join(lines)
@@ -204,9 +210,14 @@ def write_concurrency(report: dict, out: Path) -> list[Path]:
         levels = [r["concurrency"] for r in rows]
         throughput.plot(levels, [r["tokens_per_second"] for r in rows], marker="o", label=policy)
         line = latency.plot(levels, [r["ms_per_token"]["p50"] for r in rows], marker="o", label=f"{policy} p50")[0]
-        latency.plot(levels, [r["ms_per_token"]["p99"] for r in rows], marker="x", linestyle="--", color=line.get_color(), label=f"{policy} p99")
+        latency.plot(
+            levels, [r["ms_per_token"]["p99"] for r in rows], marker="x", linestyle="--", color=line.get_color(), label=f"{policy} p99"
+        )
     throughput.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="throughput", xscale="log", xticks=report["levels"])
-    latency.set(xlabel="concurrent streams", ylabel="ms per token of a stream", title="per-stream latency", xscale="log", yscale="log", xticks=report["levels"])
+    latency.set(
+        xlabel="concurrent streams", ylabel="ms per token of a stream", title="per-stream latency", xscale="log", yscale="log",
+        xticks=report["levels"],
+    )
     for axes in (throughput, latency):
         axes.set_xticklabels([str(n) for n in report["levels"]])
         axes.legend(fontsize=7)

@@ -5,6 +5,7 @@ The cost of k tokens relative to one is given both as a ratio of medians and as 
 mean of each repetition's own T(k) / T(1) with its 95% interval."""
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -67,12 +68,23 @@ def run_cost_curve(config, context_ids: list[int], tokens: list[int], repeats: i
     return rows
 
 
+def write_cost_curve(report: dict, out: Path) -> list[Path]:
+    """The report as JSON and its plot beside it; the paths written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot_cost_curve(report["results"], out.with_suffix(".png"))
+    return [out, out.with_suffix(".png")]
+
+
 def format_cost_curve(rows: list[dict]) -> str:
     lines = ["engine | tokens | ms (median) | x one token (medians) | x one token (paired, 95%)", "---|---|---|---|---"]
     for r in rows:
         ms = r.get("verify_ms", r.get("draft_step_ms"))
         low, high = r["paired_interval"]
-        lines.append(f"{r['engine']} | {r['tokens']} | {ms:.1f} | {r['ratio_to_one_token']:.2f} | {r['paired_ratio_to_one_token']:.2f} [{low:.2f}, {high:.2f}]")
+        lines.append(
+            f"{r['engine']} | {r['tokens']} | {ms:.1f} | {r['ratio_to_one_token']:.2f} | "
+            f"{r['paired_ratio_to_one_token']:.2f} [{low:.2f}, {high:.2f}]"
+        )
     return "\n".join(lines)
 
 
@@ -93,8 +105,13 @@ def plot_cost_curve(rows: list[dict], path: Path) -> None:
     for r in rows:
         if r["model"] == "drafter":
             absolute.axhline(r["draft_step_ms"], linestyle=":", color="grey", label=f"{r['engine']}: one step")
-    absolute.set(xscale="log", xlabel="new tokens in the pass (k)", ylabel="forward time (ms, median)", title=f"verifier forward after {rows[0]['context']} tokens")
-    relative.set(xscale="log", xlabel="new tokens in the pass (k)", ylabel="T(k) / T(1), paired (95%)", title="cost of verifying k tokens, relative")
+    absolute.set(
+        xscale="log", xlabel="new tokens in the pass (k)", ylabel="forward time (ms, median)",
+        title=f"verifier forward after {rows[0]['context']} tokens",
+    )
+    relative.set(
+        xscale="log", xlabel="new tokens in the pass (k)", ylabel="T(k) / T(1), paired (95%)", title="cost of verifying k tokens, relative"
+    )
     relative.axhline(1.0, color="grey", linewidth=0.5)
     for ax in (absolute, relative):
         ax.grid(alpha=0.3)

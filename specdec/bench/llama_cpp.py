@@ -34,7 +34,9 @@ class LlamaCppDecoder:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS) if prompt_lookup else None
-        self.model = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False)
+        self.model = Llama(
+            model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
+        )
         self.eos_ids = eos_ids
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> tuple[list[int], float]:

@@ -34,7 +34,10 @@ def sweep_policies(chains: list[int], trees: list[int], tree_method: str, overla
     policies = [(f"chain-{b}", {"num_draft_tokens": b, "tree": chain, "adaptive": False, "overlap": False}) for b in chains]
     policies += [(f"chain-{b}+overlap", {"num_draft_tokens": b, "tree": chain, "adaptive": False, "overlap": True}) for b in overlap_chains]
     policies += [
-        (f"{tree_method}-{b}", {"num_draft_tokens": b, "tree": common_pb2.TreeShape(method=tree_method), "adaptive": False, "overlap": False})
+        (
+            f"{tree_method}-{b}",
+            {"num_draft_tokens": b, "tree": common_pb2.TreeShape(method=tree_method), "adaptive": False, "overlap": False},
+        )
         for b in trees
     ]
     policies += [
@@ -49,7 +52,7 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict, place
     from ray import serve
 
     from specdec.serving.client import CoordinatorClient, generate_request, server_token
-    from specdec.serving.launch import APP_NAME, deploy, start_stack, stop_stack
+    from specdec.serving.launch import beside_name, start_beside, stop_stack
 
     rtts = [float(r) for r in args.rtt_sweep.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
@@ -69,15 +72,18 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict, place
                 colocated = placement == COLOCATED
                 network = {"drafter": link, "verifier": {} if colocated else link}
                 # No prefix cache: each policy prefills each prompt, not only the one that ran it first.
-                rtt_args = {**app_args, "coordinator": {"port": port, "network": network, "adaptive": adaptive, "verifier_in_process": colocated},
+                rtt_args = {**app_args,
+                            "coordinator": {"port": port, "network": network, "adaptive": adaptive, "verifier_in_process": colocated},
                             "verifier": {"prefix_cache_mib": 0}}
-                address = start_stack(rtt_args, port, proxies=False) if stacks == 0 else deploy(rtt_args, port, name=f"{APP_NAME}-{stacks}")
+                address = start_beside(rtt_args, port, stacks)
                 clients[placement] = CoordinatorClient(address, server_token(config))
                 stacks += 1
             turns = [(placement, name, fields) for placement in placements for name, fields in policies]
             for temperature in temperatures:
                 def request(j: int, ids: list[int], fields: dict, length: int = args.max_new_tokens):
-                    return generate_request(prompt_token_ids=ids, max_new_tokens=length, temperature=temperature, seed=args.seed + j, **fields)
+                    return generate_request(
+                        prompt_token_ids=ids, max_new_tokens=length, temperature=temperature, seed=args.seed + j, **fields
+                    )
 
                 for placement, name, fields in turns:
                     if fields.get("adaptive"):  # untimed warm-up: the controller measures every plan first
@@ -94,11 +100,13 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict, place
             for client in clients.values():
                 client.close()
             for j in range(stacks - len(placements), stacks):  # this RTT's stacks leave the cores to the next
-                serve.delete(f"{APP_NAME}-{j}" if j else APP_NAME)
+                serve.delete(beside_name(j))
     finally:
         if not args.address:
             stop_stack()
-    return {"rtts": rtts, "placements": placements, "policies": [name for name, _ in policies], "results": rows, "checks": sweep_checks(rows)}
+    return {
+        "rtts": rtts, "placements": placements, "policies": [name for name, _ in policies], "results": rows, "checks": sweep_checks(rows)
+    }
 
 
 def _row(rtt: float, placement: str, policy: str, temperature: float, tokens: int, seconds: float, stats: list) -> dict:
@@ -157,7 +165,8 @@ def sweep_checks(rows: list[dict]) -> list[dict]:
                 "adaptive_vs_fused": adaptive / fixed["fused"],
                 "overlap_on_vs_off": at["adaptive+overlap"]["tokens_per_second"] / adaptive,
                 "fixed_overlap_on_vs_off": {
-                    p: r["tokens_per_second"] / at[p.removesuffix("+overlap")]["tokens_per_second"] for p, r in at.items() if p.startswith("chain-") and p.endswith("+overlap")
+                    p: r["tokens_per_second"] / at[p.removesuffix("+overlap")]["tokens_per_second"]
+                    for p, r in at.items() if p.startswith("chain-") and p.endswith("+overlap")
                 },
                 "wire_share_of_round_time": {p: r["wire_share"] for p, r in at.items()},
             }
@@ -199,16 +208,23 @@ def write_sweep(report: dict, out: Path) -> list[Path]:
 
 
 def format_sweep(report: dict) -> str:
-    lines = ["| RTT ms | placement | T | policy | tokens/s | accepted/round | mean budget | overlap hits | wire share |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| RTT ms | placement | T | policy | tokens/s | accepted/round | mean budget | overlap hits | wire share |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["results"]:
         accepted = "-" if r["mean_accepted_per_round"] is None else f"{r['mean_accepted_per_round']:.2f}"
         lines.append(
-            f"| {r['rtt_ms']:g} | {r.get('placement') or '-'} | {r['temperature']:g} | {r['policy']} | {r['tokens_per_second']:.2f} | {accepted} | "
+            f"| {r['rtt_ms']:g} | {r.get('placement') or '-'} | {r['temperature']:g} | {r['policy']} | {r['tokens_per_second']:.2f} | "
+            f"{accepted} | "
             f"{r['mean_budget']:.1f} | {r['overlap_hits']} | {r['wire_share']:.1%} |"
         )
     lines += [
         "",
-        "| RTT ms | placement | T | best fixed | adaptive / best fixed | adaptive / fused | overlap on / off (adaptive) | overlap on / off (fixed chains) |",
+        (
+            "| RTT ms | placement | T | best fixed | adaptive / best fixed | adaptive / fused | overlap on / off (adaptive) | "
+            "overlap on / off (fixed chains) |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in report["checks"]:

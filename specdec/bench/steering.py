@@ -90,7 +90,10 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
                             tokens += len(response.token_ids)
                             stats.append(response.stats)
                             outputs.append(list(response.token_ids))
-                        row = _row(variant, drafter, temperature, set_name, sorted({p["category"] for p in sets[set_name]}), tree, budget, tokens, seconds, stats)
+                        row = _row(
+                            variant, drafter, temperature, set_name, sorted({p["category"] for p in sets[set_name]}), tree, budget, tokens,
+                            seconds, stats,
+                        )
                         if temperature == 0:
                             greedy_outputs[(set_name, variant)] = outputs
                         rows.append(row)
@@ -147,7 +150,10 @@ def _row(variant, drafter, temperature, set_name, categories, tree, budget, toke
 
 def _add_speedups(rows: list[dict]) -> None:
     for row in rows:
-        base = next(r for r in rows if r["steering"] == "verifier-only" and r["temperature"] == row["temperature"] and r["prompt_set"] == row["prompt_set"])
+        base = next(
+            r for r in rows
+            if r["steering"] == "verifier-only" and r["temperature"] == row["temperature"] and r["prompt_set"] == row["prompt_set"]
+        )
         row["speedup_vs_verifier_only"] = row["tokens_per_second"] / base["tokens_per_second"]
 
 
@@ -187,21 +193,26 @@ def format_ablation(report: dict) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [
-        "| prompts | T | steering | accepted/round | tokens/s | vs verifier-only | steering B/round | steering ms/round (verifier + drafter) | share of round | greedy = generate() |",
+        "| prompts | T | steering | accepted/round | tokens/s | vs verifier-only | steering B/round | "
+        "steering ms/round (verifier + drafter) | share of round | greedy = generate() |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         lines.append(
-            f"| {r['prompt_set']} | {r['temperature']:g} | {r['steering']} | {fmt(r['mean_accepted_per_round'], '.3f')} | {r['tokens_per_second']:.2f} | "
-            f"{r['speedup_vs_verifier_only']:.2f}x | {r['steering_bytes_per_round']:.0f} | {r['verify_steering_ms_per_round']:.2f} + {r['draft_steering_ms_per_round']:.2f} | "
+            f"| {r['prompt_set']} | {r['temperature']:g} | {r['steering']} | {fmt(r['mean_accepted_per_round'], '.3f')} | "
+            f"{r['tokens_per_second']:.2f} | "
+            f"{r['speedup_vs_verifier_only']:.2f}x | {r['steering_bytes_per_round']:.0f} | "
+            f"{r['verify_steering_ms_per_round']:.2f} + {r['draft_steering_ms_per_round']:.2f} | "
             f"{r['steering_share_of_round_time']:.2%} | {fmt(r.get('greedy_matches_verifier_alone'), '.0%')} |"
         )
     lines.append("")
     for c in report["checks"]:
         lines.append(
             f"{c['prompt_set']}, T={c['temperature']:g}: steered vs distilled-only {c['accepted_gain_vs_distilled_only']:+.1%} "
-            f"(95% CI over prompts {c['accepted_gain_vs_distilled_only_95ci'][0]:+.1%} to {c['accepted_gain_vs_distilled_only_95ci'][1]:+.1%}) "
-            f"(bar {c['required_gain']:+.0%}: {'met' if c['gain_met'] else 'NOT met'}), vs unsteered {c['accepted_gain_vs_unsteered']:+.1%}, "
+            f"(95% CI over prompts {c['accepted_gain_vs_distilled_only_95ci'][0]:+.1%} "
+            f"to {c['accepted_gain_vs_distilled_only_95ci'][1]:+.1%}) "
+            f"(bar {c['required_gain']:+.0%}: {'met' if c['gain_met'] else 'NOT met'}), "
+            f"vs unsteered {c['accepted_gain_vs_unsteered']:+.1%}, "
             f"steering {c['steering_share_of_round_time']:.2%} of round time"
         )
     return "\n".join(lines)
@@ -226,7 +237,11 @@ def write_ablation(report: dict, out: Path) -> list[Path]:
             ax.text(i, value, f"{value:.2f}", ha="center", va="bottom")
         check = next(c for c in report["checks"] if c["prompt_set"] == set_name and c["temperature"] == temperature)
         low, high = check["accepted_gain_vs_distilled_only_95ci"]
-        ax.set_title(f"{set_name}, T = {temperature:g}\nsteered vs distilled-only {check['accepted_gain_vs_distilled_only']:+.0%} (95% CI {low:+.0%} to {high:+.0%})", fontsize=10)
+        ax.set_title(
+            f"{set_name}, T = {temperature:g}\nsteered vs distilled-only {check['accepted_gain_vs_distilled_only']:+.0%} "
+            f"(95% CI {low:+.0%} to {high:+.0%})",
+            fontsize=10,
+        )
         ax.set_ylabel("accepted draft tokens per round")
     fig.suptitle(f"SD² steering ablation ({report['tree']}, {report['budget']} draft tokens per round)")
     fig.tight_layout()

@@ -1,0 +1,550 @@
+"""The speed comparison of `specdec bench`, in one run on the same prompts.
+
+Methods: verifier-only decoding through the services (`autoregressive`), speculative
+decoding through the services (`speculative`, one row per tree method and budget), Hugging Face assisted
+generation with the same pair and weights in-process (`hf_assisted`; `hf_prompt_lookup` beside n-gram
+drafters), plain `generate()` of the
+served verifier's weights (`hf_generate`) and of its float32 weights (`hf_generate_fp32`, what a user
+would otherwise run), and llama.cpp on the same GGUF file where it is installed. Methods
+interleave on each prompt; every ratio comes with a paired 95%
+bootstrap interval over prompts. Every row through the services gives its round anatomy (the
+means per round of each part of a round), each hop beside a bare loopback gRPC call of its
+payload; the `oracle` drafter's rows give the ceiling each plan allows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.bench.llama_cpp import LlamaCppDecoder, verifier_gguf
+from specdec.bench.llama_cpp import installed as llama_cpp_installed
+from specdec.bench.loopback import loopback_call_ms
+from specdec.bench.network import COLOCATED
+from specdec.bench.setup import BenchSetup
+from specdec.bench.stats import paired_ratio_interval, turn_order
+from specdec.core.ngram import is_model_free
+from specdec.core.oracle import ORACLE, write_references
+from specdec.core.tree import TreeShape
+
+HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
+STAGED_LOOKAHEAD = 4  # the `staged` drafter's n-gram guesses, unless the config sets its own
+ANATOMY_PARTS = ("round_ms", "draft_compute_ms", "verify_compute_ms", "draft_hop_ms", "verify_hop_ms", "draft_in_service_ms",
+                 "verify_in_service_ms", "coordinator_ms", "overhead_ms")
+HOPS = ("draft", "verify")
+IDLE_CAP_MS = 100.0  # a hop's floor stops growing with the idle time before it well before this
+
+
+@dataclass
+class AnatomyTally:
+    """One kind of round's anatomy (RoundAnatomy) over a method's requests."""
+
+    rounds: int = 0
+    sums: Counter = field(default_factory=Counter)  # part -> ms over all rounds
+    payloads: dict = field(default_factory=lambda: defaultdict(list))  # hop -> each request's mean (request, response) bytes
+
+    def add(self, anatomy) -> None:
+        if not anatomy.rounds:
+            return
+        self.rounds += anatomy.rounds
+        for part in ANATOMY_PARTS:
+            self.sums[part] += getattr(anatomy, part) * anatomy.rounds
+        for hop in HOPS:
+            self.payloads[hop].append((getattr(anatomy, f"{hop}_request_bytes"), getattr(anatomy, f"{hop}_response_bytes")))
+
+    def row(self) -> dict | None:
+        """Means per round; each hop's payload is the median over requests (None: no such call,
+        or one in this process)."""
+        if not self.rounds:
+            return None
+        row = {"rounds": self.rounds} | {part: self.sums[part] / self.rounds for part in ANATOMY_PARTS}
+        for hop in HOPS:
+            payload = [round(statistics.median(sizes)) for sizes in zip(*self.payloads[hop])]
+            row[f"{hop}_payload_bytes"] = payload if any(payload) else None
+        return row
+
+
+@dataclass
+class Tally:
+    """One method's measurements, per prompt (so ratios get paired intervals over prompts)."""
+
+    tokens: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    accepted: int = 0
+    speculative_rounds: int = 0
+    draft_forward_passes: int = 0
+    drafter_failures: int = 0  # failed Draft calls: those rounds went on with the verifier alone
+    wire_ms: float = 0.0
+    total_ms: float = 0.0
+    rounds: int = 0
+    bytes_per_round: list[float] = field(default_factory=list)
+    plan_rounds: Counter = field(default_factory=Counter)  # rounds per plan (the adaptive row's choices)
+    outputs: list[list[int]] = field(default_factory=list)
+    speculative_anatomy: AnatomyTally = field(default_factory=AnatomyTally)
+    verifier_alone_anatomy: AnatomyTally = field(default_factory=AnatomyTally)
+
+    def add(self, token_ids: list[int], seconds: float) -> None:
+        self.tokens.append(len(token_ids))
+        self.seconds.append(seconds)
+        self.outputs.append(list(token_ids))
+
+    def add_service(self, response, seconds: float) -> None:
+        stats = response.stats
+        self.add(response.token_ids, seconds)
+        self.accepted += stats.accepted_draft_tokens
+        self.speculative_rounds += stats.speculative_rounds
+        self.draft_forward_passes += stats.draft_forward_passes
+        self.drafter_failures += stats.drafter_failures
+        self.rounds += stats.rounds
+        self.wire_ms += stats.wire_serialization_ms
+        self.total_ms += stats.total_ms
+        self.bytes_per_round.append(stats.bytes_per_round)
+        self.plan_rounds.update(stats.plan_rounds)
+        self.speculative_anatomy.add(stats.speculative_anatomy)
+        self.verifier_alone_anatomy.add(stats.verifier_alone_anatomy)
+
+    def round_anatomy(self) -> dict | None:
+        """Per kind of round, the means of its parts; None for a method outside the services."""
+        kinds = {"speculative": self.speculative_anatomy.row(), "verifier_alone": self.verifier_alone_anatomy.row()}
+        return kinds if any(kinds.values()) else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.tokens) / sum(self.seconds) if sum(self.seconds) else 0.0
+
+    def ratio_to(self, other: "Tally") -> dict:
+        """tokens/s over the other's, with its paired 95% interval over prompts."""
+        low, high = paired_ratio_interval((self.tokens, self.seconds), (other.tokens, other.seconds))
+        return {"ratio": self.tokens_per_second / other.tokens_per_second, "ci95": [low, high]}
+
+
+def run_speed(args, setup: BenchSetup) -> int:
+    from specdec.core.models import eos_token_ids, load_model
+    from specdec.serving.client import CoordinatorClient, generate_request, server_token
+    from specdec.serving.launch import start_beside, stop_stack
+    from specdec.serving.wire import shape_to_proto
+
+    config, app_args, tokenizer, prompts, prompt_ids = setup.config, setup.app_args, setup.tokenizer, setup.prompts, setup.prompt_ids
+    temperatures, budgets, trees, shapes, placements = setup.temperatures, setup.budgets, setup.trees, setup.shapes, setup.placements
+    entries = args.drafters.split(",") if args.drafters else [config.drafter.model.source]
+    sources = list(dict.fromkeys(entry.split(":")[0] for entry in entries))
+    if args.address and (len(sources) > 1 or ORACLE in sources or len(placements) > 1):
+        raise SystemExit(
+            "--drafters with several drafters, the oracle, or several --placements start their own stacks; leave out --address"
+        )
+    # The oracle's reference table: empty while the stacks start, then recorded through them.
+    references = Path(args.out).resolve().with_name(Path(args.out).stem + "_oracle")
+    if ORACLE in sources:
+        write_references(references, [])
+    # How often each stack's drafter sees a prompt (the first stack also serves the verifier alone).
+    runs_per_prompt = {
+        source: len(temperatures) * (
+            len(trees) * len(budgets) * sum(e.split(":")[0] == source for e in entries) + (source == sources[0]) * (1 + args.adaptive)
+        )
+        for source in sources
+    }
+    clients = {}
+    for j, (placement, source) in enumerate((p, s) for p in placements for s in sources):  # one stack each, side by side
+        # No prefix cache: every method decodes each prompt once, and a verifier that kept the
+        # prompt's keys and values would prefill it only for the method that ran first.
+        stack_args = {
+            **app_args, "coordinator": {"port": args.port + j, "verifier_in_process": placement == COLOCATED},
+            "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1, references), "verifier": {"prefix_cache_mib": 0},
+        }
+        address = args.address or start_beside(stack_args, args.port + j, j)
+        clients[placement, source] = CoordinatorClient(address, server_token(config))
+    verifier = load_model(config.verifier.model)
+    assistant = args.hf_assistant or _hf_assistant(config.drafter.model.source)
+    drafter = load_model(dataclasses.replace(config.drafter.model, source=assistant))
+    served = config.verifier.model
+    verifier_fp32 = verifier if served.dtype == "float32" else load_model(dataclasses.replace(served, dtype="float32"))
+
+    def through_services(
+        i: int, budget: int | None, temperature: float, shape: TreeShape | None = None, entry: str | None = None, adaptive: bool = False,
+        max_new_tokens: int = args.max_new_tokens, placement: str = placements[0],
+    ):
+        source, _, option = (entry or sources[0]).partition(":")
+        request = generate_request(
+            prompt_token_ids=prompt_ids[i],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=args.seed + i,
+            num_draft_tokens=budget,
+            tree=shape_to_proto(shape) if shape else None,
+            adaptive=adaptive,
+            **({"steering": False} if option == "unsteered" else {}),
+        )
+        start = time.perf_counter()
+        response = clients[placement, source].generate(request)
+        return response, time.perf_counter() - start
+
+    def in_process(i: int, model, assisted: bool, temperature: float, prompt_lookup: bool = False):
+        torch.manual_seed(args.seed + i)
+        inputs = torch.tensor([prompt_ids[i]])
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                max_new_tokens=args.max_new_tokens,
+                assistant_model=drafter if assisted else None,
+                **({"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS} if prompt_lookup else {}),
+                pad_token_id=tokenizer.eos_token_id,
+                **sampling,
+            )
+        return out[0, inputs.shape[1] :].tolist(), time.perf_counter() - start
+
+    # (name, placement, method, drafter, tree, budget, runner(prompt index, temperature) -> service response or token ids, seconds)
+    methods = []
+    for placement in placements:
+        named = (lambda name: f"{placement}/{name}") if len(placements) > 1 else (lambda name: name)
+        methods.append((named("autoregressive"), placement, "autoregressive", None, None, 0,
+                        lambda i, t, p=placement: through_services(i, 0, t, placement=p)))
+        methods += [
+            (
+                named(f"{entry}:{tree}_b{b}" if len(entries) > 1 else f"{tree}_b{b}"), placement, "speculative", entry, tree, b,
+                lambda i, t, b=b, tree=tree, entry=entry, p=placement: through_services(i, b, t, shapes[tree], entry, placement=p),
+            )
+            for entry in entries
+            for tree in trees
+            for b in budgets
+        ]
+        if args.adaptive:
+            methods.append((named("adaptive"), placement, "adaptive", sources[0], None, None,
+                            lambda i, t, p=placement: through_services(i, None, t, adaptive=True, placement=p)))
+    if any(is_model_free(s) or s == "hybrid" for s in sources):
+        methods.append(("hf_prompt_lookup", None, "hf_prompt_lookup", None, None, None,
+                        lambda i, t: in_process(i, verifier, False, t, prompt_lookup=True)))
+    gguf = verifier_gguf(served.source)
+    if gguf is not None and llama_cpp_installed():  # the CPU anchor: llama.cpp on the same file
+        eos = set(eos_token_ids(verifier, tokenizer))
+        for name, lookup in (("llama_cpp", False), ("llama_cpp_prompt_lookup", True)):
+            decoder = LlamaCppDecoder(gguf, torch.get_num_threads(), eos, prompt_lookup=lookup)
+            methods.append((name, None, name, None, None, None,
+                            lambda i, t, d=decoder: d.generate(prompt_ids[i], args.max_new_tokens, t, args.seed + i)))
+    methods += [
+        ("hf_assisted", None, "hf_assisted", assistant, None, None, lambda i, t: in_process(i, verifier, True, t)),
+        ("hf_generate", None, "hf_generate", None, None, None, lambda i, t: in_process(i, verifier, False, t)),
+        ("hf_generate_fp32", None, "hf_generate_fp32", None, None, None, lambda i, t: in_process(i, verifier_fp32, False, t)),
+    ]
+    results = []
+    try:
+        if ORACLE in sources:  # the verifier alone's greedy continuations, through the first stack, untimed
+            write_references(references, [(prompt_ids[i], list(through_services(i, 0, 0.0)[0].token_ids)) for i in range(len(prompt_ids))])
+        for temperature in temperatures:
+            for warm in clients.values():
+                warm.generate(generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature))
+            for placement in placements if args.adaptive else ():  # untimed, as in the RTT sweep: the controller measures every plan first
+                through_services(
+                    len(prompt_ids) - 1, None, temperature, adaptive=True, max_new_tokens=4 * args.max_new_tokens, placement=placement
+                )
+            tallies = {name: Tally() for name, *_ in methods}
+            # Interleaved: every prompt visits every method in turn, so drift hits all alike.
+            for i in tqdm(range(len(prompt_ids)), desc=f"T={temperature}", unit="prompt"):
+                for name, *_, runner in turn_order(methods, i):
+                    answer, seconds = runner(i, temperature)
+                    if isinstance(answer, list):
+                        tallies[name].add(answer, seconds)
+                    else:
+                        tallies[name].add_service(answer, seconds)
+            alone_in = {placement: tallies[name] for name, placement, method, *_ in methods if method == "autoregressive"}
+            for name, placement, method, drafter_name, tree, budget, _ in methods:
+                tally, alone = tallies[name], alone_in[placement or placements[0]]
+                row = {
+                    "name": name,
+                    "placement": placement,
+                    "drafter": drafter_name,
+                    "method": method,
+                    "tree": tree,
+                    "budget": budget,
+                    "temperature": temperature,
+                    "tokens_per_second": tally.tokens_per_second,
+                    "mean_accepted_per_round": tally.accepted / tally.speculative_rounds if tally.speculative_rounds else None,
+                    "tokens_per_verify_call": sum(tally.tokens) / tally.rounds if tally.rounds else None,
+                    "draft_forwards_per_round": tally.draft_forward_passes / tally.speculative_rounds if tally.speculative_rounds else None,
+                    "drafter_failures": tally.drafter_failures,
+                    "vs_autoregressive": tally.ratio_to(alone),
+                    "vs_hf_assisted": tally.ratio_to(tallies["hf_assisted"]),
+                    "vs_hf_generate_fp32": tally.ratio_to(tallies["hf_generate_fp32"]),
+                    "wire_share": tally.wire_ms / tally.total_ms if tally.total_ms else None,
+                    "bytes_per_round": sum(tally.bytes_per_round) / len(tally.bytes_per_round) if tally.bytes_per_round else None,
+                    "plan_rounds": tally.plan_rounds or None,
+                    "round_anatomy": tally.round_anatomy(),
+                    "generated_tokens": sum(tally.tokens),
+                    "seconds": sum(tally.seconds),
+                    "tokens_per_prompt": tally.tokens,
+                    "seconds_per_prompt": tally.seconds,
+                }
+                row["speedup_vs_autoregressive"] = row["vs_autoregressive"]["ratio"]
+                row["vs_autoregressive_by_category"] = _ratio_by_category(tally, alone, [p["category"] for p in prompts])
+                if temperature == 0:
+                    # Exactness is against the served verifier alone; for float32 weights also generate().
+                    row["greedy_matches_verifier_alone"] = _share_equal(tally.outputs, alone.outputs)
+                    if served.dtype == "float32":
+                        row["greedy_matches_hf_generate"] = _share_equal(tally.outputs, tallies["hf_generate"].outputs)
+                if tally.drafter_failures:
+                    print(f"warning: {name}: {tally.drafter_failures} Draft calls failed and their rounds went on with "
+                          "the verifier alone, so this row does not measure its drafter (see the drafter's log)", file=sys.stderr)
+                results.append(row)
+    finally:
+        for each in clients.values():
+            each.close()
+        if not args.address:
+            stop_stack()
+    add_hop_floors(results)  # with the stacks stopped, so they take no CPU from the measurement
+
+    report = {
+        "config": {
+            "verifier": config.verifier.model.__dict__,
+            "drafter": config.drafter.model.__dict__,
+            "drafters": entries,
+            "placements": placements,
+            "hf_assistant": assistant,
+            "prompts": args.prompts,
+            "question_ids": setup.question_ids(),
+            "categories": sorted({p["category"] for p in prompts}),
+            "max_new_tokens": args.max_new_tokens,
+            "temperatures": temperatures,
+            "budgets": budgets,
+            "trees": {method: dataclasses.asdict(shape) for method, shape in shapes.items()},
+            "prefix_cache_mib": config.verifier.prefix_cache_mib if args.address else 0,
+            "drafter_memory_across_requests": (
+                "as served" if args.address else {source: runs == 1 for source, runs in runs_per_prompt.items()}
+            ),
+            "torch_threads": torch.get_num_threads(),
+            "oracle_references": str(references) if ORACLE in sources else None,
+        },
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot_path = out.with_suffix(".png")
+    plot_results(results, plot_path)
+    written = [out, plot_path, out.with_name(out.stem + "_anatomy.png")]
+    plot_anatomy(results, written[-1])
+    if len(budgets) > 1:
+        written.append(out.with_name(out.stem + "_trees.png"))
+        plot_acceptance_by_budget(results, written[-1])
+    print(format_table(results))
+    print(format_anatomy(results))
+    if len({p["category"] for p in prompts}) > 1:
+        print(format_by_category(results))
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def _ratio_by_category(tally: Tally, alone: Tally, categories: list[str]) -> dict[str, float]:
+    """tokens/s over the verifier alone's, within each category's prompts."""
+    ratios = {}
+    for category in dict.fromkeys(categories):
+        mine = [i for i, c in enumerate(categories) if c == category]
+        rate = sum(tally.tokens[i] for i in mine) / sum(tally.seconds[i] for i in mine)
+        ratios[category] = rate / (sum(alone.tokens[i] for i in mine) / sum(alone.seconds[i] for i in mine))
+    return ratios
+
+
+def format_by_category(results: list[dict]) -> str:
+    categories = sorted(results[0]["vs_autoregressive_by_category"])
+    lines = ["| method | T | " + " | ".join(categories) + " |", "|---|---|" + "---|" * len(categories)]
+    for r in results:
+        by = r["vs_autoregressive_by_category"]
+        lines.append(f"| {r['name']} | {r['temperature']:g} | " + " | ".join(f"{by[c]:.2f}x" for c in categories) + " |")
+    return "\n".join(lines)
+
+
+def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: Path) -> dict:
+    """The drafter section of the stack that benchmarks one --drafters entry (the oracle's
+    source: its reference table in `references`)."""
+    own = entry in ("model", "hybrid", "staged")
+    # Memory across requests only where the drafter decodes each prompt once: it then learns
+    # from the other prompts, as in service; one that remembered a prompt's earlier run would
+    # draft its next run from it.
+    memory = {} if sees_each_prompt_once else {"recent_output_tokens": 0}
+    return {
+        "model": dataclasses.asdict(config.drafter.model) if own else {"source": str(references) if entry == ORACLE else entry},
+        "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
+        "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
+    }
+
+
+def _hf_assistant(drafter: str) -> str:
+    """transformers runs causal LMs only: a feature head's place goes to the built-in distilled drafter."""
+    from specdec.core.feature_head import is_feature_head
+    from specdec.core.hub import BUILTIN_DRAFTER
+
+    return BUILTIN_DRAFTER if is_feature_head(drafter) else drafter
+
+
+def _share_equal(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    return sum(a == b for a, b in zip(outputs, reference)) / len(reference)
+
+
+def format_table(results: list[dict]) -> str:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        (
+            "| name | drafter | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | "
+            "accepted/round | tokens/verify call | draft forwards/round | bytes/round | wire share | greedy = verifier alone |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['name']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {fmt(r['budget'], 'd')} | {r['temperature']:g} | "
+            f"{r['tokens_per_second']:.2f} | "
+            f"{_ratio(r['vs_autoregressive'])} | {_ratio(r['vs_hf_assisted'])} | {_ratio(r['vs_hf_generate_fp32'])} | "
+            f"{fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['tokens_per_verify_call'], '.2f')} | "
+            f"{fmt(r.get('draft_forwards_per_round'), '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
+            f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_verifier_alone'), '.0%')} |"
+        )
+    return "\n".join(lines)
+
+
+def add_hop_floors(results: list[dict]) -> None:
+    """Sets each hop's floor in the rows' round anatomy: a bare loopback gRPC call carrying the
+    hop's median payload after the rest of the round's time without a call (gRPC's threads
+    sleep meanwhile); none for a verifier in the coordinator's process."""
+    kinds = [(r, kind) for r in results for kind in (r["round_anatomy"] or {}).values() if kind is not None]
+    for r, kind, hop in ((r, kind, hop) for r, kind in kinds for hop in HOPS):
+        payload = kind[f"{hop}_payload_bytes"]
+        if payload is None or (hop == "verify" and r.get("placement") == COLOCATED):  # an in-process call has no wire
+            kind[f"{hop}_hop_floor_ms"] = None
+            continue
+        idle_ms = min(max(kind["round_ms"] - kind[f"{hop}_hop_ms"], 0.0), IDLE_CAP_MS)  # the rest of the round
+        kind[f"{hop}_hop_floor_ms"] = loopback_call_ms(*payload, idle_ms=idle_ms)
+
+
+def _anatomy_rows(results: list[dict]):
+    """(row, kind of round, its anatomy) for each row through the services: its speculative
+    rounds where it has them, else its verifier-alone rounds."""
+    for r in results:
+        kinds = r["round_anatomy"] or {}
+        kind = "speculative" if kinds.get("speculative") else "verifier_alone"
+        if kinds.get(kind):
+            yield r, kind, kinds[kind]
+
+
+def format_anatomy(results: list[dict]) -> str:
+    """Means per round, ms: each hop with its loopback floor in brackets and, after a slash, its
+    part inside the service outside compute."""
+    def hop(a: dict, name: str) -> str:
+        floor = a[f"{name}_hop_floor_ms"]
+        return f"{a[f'{name}_hop_ms']:.2f}" + (f" [{floor:.2f}]" if floor is not None else "") + f" / {a[f'{name}_in_service_ms']:.2f}"
+
+    lines = [
+        (
+            "| name | drafter | tree | budget | T | rounds of | rounds | round | draft compute | verify compute | "
+            "draft hop [floor] / in service | verify hop [floor] / in service | coordinator | overhead (share) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, kind, a in _anatomy_rows(results):
+        lines.append(
+            f"| {r['name']} | {r.get('drafter') or '-'} | {r.get('tree') or '-'} | {'-' if r['budget'] is None else r['budget']} | "
+            f"{r['temperature']:g} | "
+            f"{kind.replace('_', ' ')} | {a['rounds']} | {a['round_ms']:.2f} | {a['draft_compute_ms']:.2f} | "
+            f"{a['verify_compute_ms']:.2f} | "
+            f"{hop(a, 'draft')} | {hop(a, 'verify')} | {a['coordinator_ms']:.2f} | {a['overhead_ms']:.2f} "
+            f"({a['overhead_ms'] / a['round_ms']:.0%}) |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(ratio: dict) -> str:
+    low, high = ratio["ci95"]
+    return f"{ratio['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
+
+
+def plot_results(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r["temperature"] for r in results})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        rows = [r for r in results if r["temperature"] == temperature]
+        ax.bar([r["name"] for r in rows], [r["tokens_per_second"] for r in rows], color="tab:blue")
+        for i, r in enumerate(rows):
+            ax.text(i, r["tokens_per_second"], f"{r['speedup_vs_autoregressive']:.2f}x", ha="center", va="bottom")
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_ylabel("tokens / s")
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle("specdec bench: tokens/s (label: speedup vs verifier-only through the services)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_anatomy(results: list[dict], path: Path) -> None:
+    """Each row's mean round, part by part, as a stacked bar; a tick marks each hop's floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [("draft_compute_ms", "draft compute"), ("verify_compute_ms", "verify compute"), ("draft_hop_ms", "draft hop"),
+             ("verify_hop_ms", "verify hop"), ("coordinator_ms", "coordinator")]
+    temperatures = sorted({r["temperature"] for r in results})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(7 * len(temperatures), 4.5), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        rows = [(r, kind, a) for r, kind, a in _anatomy_rows(results) if r["temperature"] == temperature]
+        labels = [r["name"] + (" (per call)" if kind == "verifier_alone" else "") for r, kind, _ in rows]
+        left = [0.0] * len(rows)
+        for (key, label), color in zip(parts, ("tab:blue", "tab:orange", "tab:green", "tab:olive", "tab:red")):
+            # Timing noise can make the coordinator's remainder a hair below zero: drawn as none.
+            widths = [max(a[key], 0.0) for _, _, a in rows]
+            ax.barh(labels, widths, left=left, color=color, label=label)
+            if key.endswith("hop_ms"):
+                floors = [(i, a[key.replace("_ms", "_floor_ms")]) for i, (_, _, a) in enumerate(rows)]
+                ax.scatter(
+                    [left[i] + f for i, f in floors if f is not None], [i for i, f in floors if f is not None],
+                    marker="|", color="black", s=120,
+                )
+            left = [x + w for x, w in zip(left, widths)]
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_xlabel("ms per round (|: the hop's bare loopback gRPC call)")
+        ax.invert_yaxis()
+        ax.legend(fontsize="small")
+    fig.suptitle("specdec bench: round anatomy, ms per speculative round (verifier alone: per call)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_acceptance_by_budget(results: list[dict], path: Path) -> None:
+    """Accepted draft tokens per verifier call against the node budget, one line per tree method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r["temperature"] for r in results})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        rows = [r for r in results if r["temperature"] == temperature and r["method"] == "speculative"]
+        for tree in dict.fromkeys(r["tree"] for r in rows):
+            line = sorted((r["budget"], r["mean_accepted_per_round"]) for r in rows if r["tree"] == tree)
+            ax.plot([b for b, _ in line], [a for _, a in line], marker="o", label=tree)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_xlabel("draft tree nodes per round (budget)")
+        ax.set_ylabel("accepted draft tokens per verifier call")
+        ax.legend()
+    fig.suptitle("specdec bench: acceptance by tree method and budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,51 @@
+"""`specdec bench` end to end on tiny models: the speed comparison over both placements with the
+oracle's rows, and a study mode (the cost curve) through the same command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from specdec.cli import main
+from tests.conftest import tiny_config
+
+PROMPTS = [  # held-out ids (a multiple of 4), short enough for the tiny models' 128 positions
+    {"question_id": 4, "category": "writing", "turns": ["write a b c"]},
+    {"question_id": 8, "category": "math", "turns": ["one two three"]},
+]
+
+
+@pytest.fixture
+def bench_files(tiny_dirs, tmp_path):
+    config, prompts = tmp_path / "tiny.yaml", tmp_path / "prompts.jsonl"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_dirs)))
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    return ["--config", str(config), "--prompts", str(prompts), "--num-prompts", "2"], tmp_path
+
+
+@pytest.mark.e2e
+def test_bench_compares_both_placements_with_the_oracle_ceiling(bench_files):
+    common, tmp_path = bench_files
+    out = tmp_path / "bench.json"
+    assert main(["bench", *common, "--drafters", "oracle", "--placements", "split,colocated", "--max-new-tokens", "12",
+                 "--budgets", "3", "--trees", "chain", "--out", str(out)]) == 0
+    rows = {row["name"]: row for row in json.loads(out.read_text())["results"]}
+    for placement in ("split", "colocated"):
+        alone, oracle = rows[f"{placement}/autoregressive"], rows[f"{placement}/chain_b3"]
+        assert alone["placement"] == oracle["placement"] == placement and oracle["drafter"] == "oracle"
+        assert oracle["greedy_matches_verifier_alone"] == 1.0
+        # Every drafted token kept: three a round, less only where a request's last round is shorter.
+        assert oracle["mean_accepted_per_round"] > 2.0 and oracle["round_anatomy"]["speculative"]["rounds"] > 0
+    assert rows["hf_generate_fp32"]["greedy_matches_verifier_alone"] == 1.0  # the tiny pair runs float32 weights
+    assert {"bench.png", "bench_anatomy.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_bench_runs_a_study_mode_and_writes_its_report(bench_files):
+    common, tmp_path = bench_files
+    out = tmp_path / "cost.json"
+    assert main(["bench", *common, "--cost-curve", "1,3", "--cost-context", "16", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {row["tokens"] for row in report["results"] if row["model"] == "verifier"} == {1, 3}
+    assert report["config"]["cost_context"] == 16 and len(report["config"]["question_ids"]) == 2
+    assert (tmp_path / "cost.png").exists()
