@@ -31,7 +31,8 @@ All inputs are exponential moving averages of what the rounds measured:
   that a one-token chain does not look as cheap as its calls alone.
 Every plan is tried once at the start. After that, every `revisit_every` rounds (times the
 sessions per pass N, and times how many times slower than the best plan it looks, at most N,
-or 2 idle; each round counts at its own load) the plan measured longest ago is tried once more: the wire estimates are shared, so a stale plan's
+or 2 idle; each round counts at its own load) the plan measured longest ago is tried once more:
+the wire estimates are shared, so a stale plan's
 estimate already follows the network, and the revisits refresh the rest (the drafter link's
 time while the verifier alone was winning, and slowly drifting acceptance).
 """
@@ -241,7 +242,9 @@ class BudgetController:
         # X(b) >= 0: a plan's verify call holds a verifier-alone pass; a noisy negative estimate
         # would price a one-token chain under the verifier alone.
         verify = (self.pass_ms(round(sessions)) or 0.0) + sessions * max(self.verify_extra_ms[plan].get(0.0), 0.0)
-        seconds_ms = self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0) + self.own_ms[True].get(0.0)
+        seconds_ms = (
+            self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0) + self.own_ms[True].get(0.0)
+        )
         return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
 
     def choose(self) -> Plan:

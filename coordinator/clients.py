@@ -219,7 +219,10 @@ class ServicePair:
         drafter, verifier = self.drafter_info, self.verifier_info
         if not drafter.steering_size or not verifier.steering_size:
             missing = [name for name, info in (("drafter", drafter), ("verifier", verifier)) if not info.steering_size]
-            return f"steering needs a steering checkpoint loaded in both services; the {' and '.join(missing)} has none (the config's steering_checkpoint)"
+            return (
+                f"steering needs a steering checkpoint loaded in both services; the {' and '.join(missing)} has none "
+                "(the config's steering_checkpoint)"
+            )
         if drafter.steering_fingerprint != verifier.steering_fingerprint or drafter.steering_size != verifier.steering_size:
             return "the drafter and the verifier loaded different steering checkpoints; both halves must come from one"
         return None
@@ -314,12 +317,17 @@ class PairSession:
                     width = self.pair.verifier_info.feature_size
                     message.features_start = first
                     message.features.CopyFrom(
-                        common_pb2.Tensor(shape=[feature_count - first, width], dtype="float16", data=bytes(self._feature_rows[first * width * 2 : feature_count * width * 2]))
+                        common_pb2.Tensor(
+                            shape=[feature_count - first, width], dtype="float16",
+                            data=bytes(self._feature_rows[first * width * 2 : feature_count * width * 2]),
+                        )
                     )
                 sent_features = len(message.features.data)
             return message
 
-        reply, call = self._call(self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None, self.DRAFT_RETRIES)
+        reply, call = self._call(
+            self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None, self.DRAFT_RETRIES
+        )
         self._drafter_seen, self._drafter_round = len(context), sent_round
         self._drafter_features = max(self._drafter_features, feature_count)
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
@@ -353,7 +361,9 @@ class PairSession:
                 ))
             return message
 
-        reply, call = self._call(self.pair.verifier, "Verify", verifier_pb2.VerifyResponse, request, not self._verifier_open, self.VERIFY_RETRIES)
+        reply, call = self._call(
+            self.pair.verifier, "Verify", verifier_pb2.VerifyResponse, request, not self._verifier_open, self.VERIFY_RETRIES
+        )
         self._verifier_open = True
         self._verifier_round += 1
         self.context.extend(reply.token_ids)
@@ -444,7 +454,9 @@ class PairSession:
                 if transient and replicas.name == "verifier" and (retries == max_retries or out_of_time):
                     # No request can go on without it; the caller learns that, not this side's addresses.
                     log.warning("verifier replica %s does not answer: %s %s", key, err.code().name, err.details())
-                    raise ServiceError(err.code(), f"no verifier replica answers ({retries} retries): the verifier is down or restarting; retry later") from err
+                    raise ServiceError(
+                        err.code(), f"no verifier replica answers ({retries} retries): the verifier is down or restarting; retry later"
+                    ) from err
                 if not transient or retries == max_retries or out_of_time:
                     raise
                 replicas.failed(key)

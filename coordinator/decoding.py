@@ -62,7 +62,9 @@ class Anatomy:
         mean = {f.name: getattr(self, f.name) / self.rounds for f in fields(self) if f.name != "rounds"}
         compute = mean["draft_compute_ms"] + mean["verify_compute_ms"]
         hops = mean["draft_hop_ms"] + mean["verify_hop_ms"]
-        return coordinator_pb2.RoundAnatomy(rounds=self.rounds, **mean, overhead_ms=mean["round_ms"] - compute, coordinator_ms=mean["round_ms"] - compute - hops)
+        return coordinator_pb2.RoundAnatomy(
+            rounds=self.rounds, **mean, overhead_ms=mean["round_ms"] - compute, coordinator_ms=mean["round_ms"] - compute - hops
+        )
 
 
 @dataclass
@@ -154,7 +156,8 @@ class Meter:
             speculative_rounds=self.speculative_rounds,
             # Rounds accepting the draft token at depth d + 1: those that accepted more than d.
             accepted_per_position=[
-                sum(count for accepted, count in self.accepted_counts.items() if accepted > d) for d in range(max(self.accepted_counts, default=0))
+                sum(count for accepted, count in self.accepted_counts.items() if accepted > d)
+                for d in range(max(self.accepted_counts, default=0))
             ],
             speculative_anatomy=self.speculative_anatomy.means(),
             verifier_alone_anatomy=self.verifier_alone_anatomy.means(),
@@ -298,7 +301,9 @@ def _worth_verifying(draft, costs: VerifyCosts):
     index = {-1: -1} | {old: new for new, old in enumerate(kept)}
     cut = type(draft)()
     cut.CopyFrom(draft)
-    cut.tree.CopyFrom(common_pb2.DraftTree(token_ids=[draft.tree.token_ids[n] for n in kept], parent=[index[draft.tree.parent[n]] for n in kept]))
+    cut.tree.CopyFrom(
+        common_pb2.DraftTree(token_ids=[draft.tree.token_ids[n] for n in kept], parent=[index[draft.tree.parent[n]] for n in kept])
+    )
     del cut.confidence[:]
     cut.confidence.extend(draft.confidence[n] for n in kept)
     return cut

@@ -25,19 +25,27 @@ class RequestMetrics:
             "specdec_mean_budget", "draft nodes per round, per request", boundaries=[0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5], tag_keys=tags
         )
         self.round_ms = metrics.Counter(
-            "specdec_round_time_ms", "round time by part: draft_compute, verify_compute, draft_wire, verify_wire (serialization is part of the wire parts)", tag_keys=("part",)
+            "specdec_round_time_ms",
+            "round time by part: draft_compute, verify_compute, draft_wire, verify_wire (serialization is part of the wire parts)",
+            tag_keys=("part",),
         )
         self.bytes = metrics.Counter("specdec_bytes", "bytes on the service links, by direction (sent, received)", tag_keys=("direction",))
         self.steering_bytes = metrics.Counter("specdec_steering_bytes", "SD2 steering vector bytes (verifier -> coordinator -> drafter)")
         self.steering_ms = metrics.Counter("specdec_steering_ms", "SD2 steering compute inside the services", tag_keys=("service",))
         self.feature_bytes = metrics.Counter("specdec_feature_bytes", "verifier feature bytes (verifier -> coordinator -> drafter)")
-        self.drafter_failures = metrics.Counter("specdec_drafter_failures", "failed Draft calls (the request went on with the verifier alone)")
-        self.session_reopens = metrics.Counter("specdec_session_reopens", "calls re-sent with the whole context: the service had lost the session (evicted, restarted)")
+        self.drafter_failures = metrics.Counter(
+            "specdec_drafter_failures", "failed Draft calls (the request went on with the verifier alone)"
+        )
+        self.session_reopens = metrics.Counter(
+            "specdec_session_reopens", "calls re-sent with the whole context: the service had lost the session (evicted, restarted)"
+        )
         self.num_drafts = metrics.Counter("spec_decode_num_drafts", "rounds that verified a draft")
         self.num_draft_tokens = metrics.Counter("spec_decode_num_draft_tokens", "draft tokens sent to the verifier")
         self.num_accepted = metrics.Counter("spec_decode_num_accepted_tokens", "draft tokens the verifier accepted")
         self.accepted_per_pos = metrics.Counter(
-            "spec_decode_num_accepted_tokens_per_pos", "rounds whose draft token at this position (0 = first) was accepted", tag_keys=("position",)
+            "spec_decode_num_accepted_tokens_per_pos",
+            "rounds whose draft token at this position (0 = first) was accepted",
+            tag_keys=("position",),
         )
 
     def record(self, stats: coordinator_pb2.RoundStats) -> None:

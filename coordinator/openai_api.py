@@ -174,7 +174,10 @@ class OpenAIFrontend:
             raise ApiError(400, "the model's tokenizer has no chat template: use /v1/completions", param="messages")
         chars = sum(len(t["content"]) for t in turns)
         if chars > self.coordinator.max_prompt_chars:
-            raise ApiError(400, f"the messages have {chars} characters, more than the model's context of {self.coordinator.max_context} tokens can hold")
+            raise ApiError(
+                400,
+                f"the messages have {chars} characters, more than the model's context of {self.coordinator.max_context} tokens can hold",
+            )
         return self.coordinator.prompt_ids(coordinator_pb2.GenerateRequest(prompt_token_ids=chat_ids(tokenizer, turns)))
 
     def respond(self, completion: Completion, call: ForwardedCall):
@@ -302,7 +305,9 @@ def _text_of(content, index: int) -> str:
     """A message's text: a string, or a list of text parts."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
 

@@ -127,7 +127,10 @@ class Coordinator:
                 raise invalid(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         elif request.prompt:
             if len(request.prompt) > self.max_prompt_chars:
-                raise invalid(f"the prompt has {len(request.prompt)} characters, more than the verifier's context of {self.max_context} tokens can hold")
+                raise invalid(
+                    f"the prompt has {len(request.prompt)} characters, more than the verifier's context of {self.max_context} "
+                    "tokens can hold"
+                )
             if request.use_chat_template:
                 if not self.tokenizer.chat_template:
                     raise invalid("use_chat_template: the verifier's tokenizer has no chat template")
@@ -211,7 +214,9 @@ class Coordinator:
         try:
             policy = self.controllers[request.temperature == 0, overlap] if adaptive else FixedPolicy(Plan(budget, settings.tree.method))
             pool = self.verify_pool if overlap else None
-            for committed in decode_rounds(session, policy, settings.tree, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool):
+            for committed in decode_rounds(
+                session, policy, settings.tree, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool
+            ):
                 output.add(committed)
                 if output.finish_reason:
                     break
@@ -223,7 +228,9 @@ class Coordinator:
         finally:
             session.close()
         tokens, text = output.take_delta()
-        stats = meter.stats("adaptive" if adaptive else "fixed", overlap, settings.steering, budget, settings.tree.method, len(output.token_ids), features)
+        stats = meter.stats(
+            "adaptive" if adaptive else "fixed", overlap, settings.steering, budget, settings.tree.method, len(output.token_ids), features
+        )
         stats.drafter_replica, stats.verifier_replica = session.replica("drafter"), session.replica("verifier")
         stats.replica_moves, stats.session_reopens = session.replica_moves, session.reopens
         if self.on_finished is not None:

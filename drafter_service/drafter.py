@@ -120,7 +120,8 @@ class DrafterEngine:
             finally:
                 self.drafter.end_round(session)
             draft = Draft(
-                tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards, confidence
+                tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards,
+                confidence,
             )
             session.last_round, session.last_draft = round_number, draft
             return draft

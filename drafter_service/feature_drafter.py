@@ -128,7 +128,9 @@ class FeatureDrafter(Drafter):
         cache.values[0, :, start : start + count] = values[0]
         return outputs[0]
 
-    def _run(self, session: DrafterSession, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> Job:
+    def _run(
+        self, session: DrafterSession, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+    ) -> Job:
         """Feeds entries after the cache; the job's value is their outputs (T, H)."""
         session.forward_passes += 1
         return (yield HeadForward(session.state.cache, tokens, features, positions, mask))

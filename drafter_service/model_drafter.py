@@ -151,9 +151,13 @@ class ModelDrafter(Drafter):
                     where[n] = fed_child[where[parent], token] = fed.add(token, where[parent])
                     new.append(where[n])
                 positions, mask = node_inputs(fed, list(range(new[0])), new, num_context)
-                out = yield from self._forward(session, [fed.token_ids[n] for n in new], len(new), position_ids=positions, attention_mask=mask)
+                out = yield from self._forward(
+                    session, [fed.token_ids[n] for n in new], len(new), position_ids=positions, attention_mask=mask
+                )
                 logits_of.update(zip(new, out))
-            return next_tokens(torch.stack([logits_of[fed_node[n]] for n in nodes]), session.sampling, self.draft_vocab, self.proposal_top_k)
+            return next_tokens(
+                torch.stack([logits_of[fed_node[n]] for n in nodes]), session.sampling, self.draft_vocab, self.proposal_top_k
+            )
 
         rescore = None
         if shape.method == "lattice-ngram":
@@ -204,7 +208,9 @@ class ModelDrafter(Drafter):
         pending = self._reuse_cache(state, context)
         if guess:
             positions, mask = verification_inputs(guess, len(state.cached_tokens), len(pending))
-            logits = yield from self._forward(session, pending + guess.token_ids, 1 + len(guess), position_ids=positions, attention_mask=mask)
+            logits = yield from self._forward(
+                session, pending + guess.token_ids, 1 + len(guess), position_ids=positions, attention_mask=mask
+            )
         else:
             logits = (yield from self._forward(session, pending))[-1:]
         state.cached_tokens.extend(pending)

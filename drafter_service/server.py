@@ -55,7 +55,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         steering = None
         if request.HasField("steering"):
             if not self.engine.info.steering_size:
-                raise invalid("a steering vector was sent, but this drafter has no steering checkpoint loaded (the config's steering_checkpoint)")
+                raise invalid(
+                    "a steering vector was sent, but this drafter has no steering checkpoint loaded (the config's steering_checkpoint)"
+                )
             try:
                 steering = vector_from_tensor(request.steering, self.engine.info.steering_size)
             except SteeringError as err:
@@ -117,5 +119,6 @@ def start(
     (ServiceTlsConfig), it speaks TLS only."""
     servicer = _servicer(config, steering_checkpoint, limits)
     return start_model_server(
-        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), DRAFTER_SERVICE, config.host, config.port, limits, service_token, tls,
+        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), DRAFTER_SERVICE, config.host, config.port, limits,
+        service_token, tls,
     )

@@ -4,7 +4,8 @@ A builder decides which nodes to expand and which children to keep; the drafter 
 answers `expand`, which feeds nodes through the model and returns each one's next-token
 distribution. Both are steps of a batching job (specdec/core/batching.py): `expand` yields the
 forward passes it needs, so `dists = yield from expand(tree, nodes)`, and `build` returns the
-tree when its generator ends. The drafts of many sessions then share each forward. Sampled children carry the proposal they were drawn from (without
+tree when its generator ends. The drafts of many sessions then share each forward. Sampled
+children carry the proposal they were drawn from (without
 replacement, in the order drawn); deterministic children carry none, which the verifier
 reads as point-mass proposals. Either way verification stays exact.
 """
@@ -151,7 +152,9 @@ class StochasticBeamTree(TreeBuilder):
             for parent, dist in zip(beam, (yield from expand(tree, beam))):
                 if rng is None:
                     top = dist.top(self.width)
-                    tokens, probs = torch.tensor([t for t, _ in top], dtype=torch.long), torch.tensor([p for _, p in top], dtype=torch.float64)
+                    tokens, probs = (
+                        torch.tensor([t for t, _ in top], dtype=torch.long), torch.tensor([p for _, p in top], dtype=torch.float64)
+                    )
                 else:
                     tokens, probs = dist.possible()
                     tree.proposals[parent] = dist.proposal

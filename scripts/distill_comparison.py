@@ -38,13 +38,19 @@ def main() -> None:
             shutil.copy(Path(args.samples_from) / "samples.pt", out / "samples.pt")
         cfg = build_dataclass(DistillConfig, {**base, "divergence": divergence, "data": data, "steps": args.steps, "out": str(out)}, "")
         report = run_distill(cfg)
-        rows.append({"divergence": divergence, "data": data, "steps": args.steps, "before": report["before"], "after": report["after"], "seconds": report["seconds"]})
+        rows.append({
+            "divergence": divergence, "data": data, "steps": args.steps, "before": report["before"], "after": report["after"],
+            "seconds": report["seconds"],
+        })
         Path(args.json).write_text(json.dumps(rows, indent=2))
     print("| divergence | data | greedy agreement | acceptance 1 − TVD (T=1) | accepted / verify call (depth 4) |")
     print("|---|---|---|---|---|")
     for r in rows:
         a = r["after"]
-        print(f"| {r['divergence']} | {r['data']} | {a['greedy_agreement']:.1%} | {a['sampling_acceptance_t1']:.1%} | {a['accepted_per_verify_call_depth4']:.2f} |")
+        print(
+            f"| {r['divergence']} | {r['data']} | {a['greedy_agreement']:.1%} | {a['sampling_acceptance_t1']:.1%} | "
+            f"{a['accepted_per_verify_call_depth4']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

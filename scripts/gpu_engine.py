@@ -174,8 +174,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(args.skip.split(","))
-    report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__, "default_buckets": list(ROW_BUCKETS),
-                    "weights": "random" if args.random else "smollm2-135m-instruct"}
+    report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__,
+                    "default_buckets": list(ROW_BUCKETS), "weights": "random" if args.random else "smollm2-135m-instruct"}
     begin = time.perf_counter()
     model, tokenizer = load(args.random, torch.bfloat16, args.device)
     vocab = model.config.vocab_size

@@ -98,7 +98,8 @@ def main() -> None:
                      "new_over_base": ratio, "quartiles": [low, high],
                      "base_x_one_token": statistics.median(base) / statistics.median(times[("base", tokens[0])]),
                      "new_x_one_token": statistics.median(new) / statistics.median(times[("new", tokens[0])])})
-        print(f"k={k:3d}: base {rows[-1]['base_ms']:7.2f} ms  new {rows[-1]['new_ms']:7.2f} ms  new/base {ratio:.3f} [{low:.3f}, {high:.3f}]")
+        print(f"k={k:3d}: base {rows[-1]['base_ms']:7.2f} ms  new {rows[-1]['new_ms']:7.2f} ms  "
+              f"new/base {ratio:.3f} [{low:.3f}, {high:.3f}]")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"base": args.base, "new": args.new or "working tree", "rows": rows}, indent=2))

@@ -55,12 +55,18 @@ def cmd_serve(args) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    print(f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING); through Serve's gRPC proxy on :{args.grpc_proxy_port}", flush=True)
+    print(
+        f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING); "
+        f"through Serve's gRPC proxy on :{args.grpc_proxy_port}",
+        flush=True,
+    )
     print(f"OpenAI-compatible API on http://localhost:{args.http_port}/v1", flush=True)
     if args.demo:
         from specdec.serving.client import server_ca, server_token
 
-        _stream_to_terminal(address, args.demo, server_token(config), server_ca(config), max_new_tokens=128, temperature=0.0, use_chat_template=True)
+        _stream_to_terminal(
+            address, args.demo, server_token(config), server_ca(config), max_new_tokens=128, temperature=0.0, use_chat_template=True
+        )
     print("Ctrl-C to stop.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # e.g. a container stop: shut Ray down too
@@ -159,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--grpc-proxy-port", type=int, default=9000, help="the Coordinator API through Serve's gRPC proxy (default 9000)")
     serve.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     serve.add_argument("--demo", nargs="?", const=DEFAULT_PROMPT, help="once serving, stream one answer to this prompt")
-    serve.add_argument("--num-draft-tokens", type=int, help="default draft tree nodes per round (0 = verifier only); with it or --tree, requests that name no plan run this one instead of the adaptive controller's (unless --adaptive)")
+    serve.add_argument(
+        "--num-draft-tokens", type=int,
+        help="default draft tree nodes per round (0 = verifier only); with it or --tree, requests that name no plan run this one "
+        "instead of the adaptive controller's (unless --adaptive)",
+    )
     add_tree_arguments(serve)
     add_policy_arguments(serve)
     add_serve_steering_arguments(serve)
@@ -168,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="stream an answer from a running server and print round statistics")
     gen.add_argument("prompt")
     gen.add_argument("--address", default="localhost:50051")
-    gen.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN"), help="bearer token for a server with coordinator.auth (default: $SPECDEC_TOKEN)")
+    gen.add_argument(
+        "--token", default=os.environ.get("SPECDEC_TOKEN"), help="bearer token for a server with coordinator.auth (default: $SPECDEC_TOKEN)"
+    )
     gen.add_argument("--tls-ca", help="PEM file the server's TLS certificate is checked against (a server with coordinator.tls)")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -179,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--num-draft-tokens", type=int, help="draft tree nodes per round; 0 = verifier only")
     add_tree_arguments(gen)
     add_policy_arguments(gen)
-    gen.add_argument("--steering", action=argparse.BooleanOptionalAction, help="SD²: the verifier steers the drafter (the pair needs a steering checkpoint)")
+    gen.add_argument(
+        "--steering", action=argparse.BooleanOptionalAction,
+        help="SD²: the verifier steers the drafter (the pair needs a steering checkpoint)",
+    )
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=cmd_generate)
 

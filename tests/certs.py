@@ -45,7 +45,8 @@ def make_certificates(directory: Path) -> dict[str, str]:
     write("service", build(SERVICE_NAME, service_key, "specdec test CA", ca_key, sans=sans), service_key)
     write("client", build("specdec coordinator", client_key, "specdec test CA", ca_key), client_key)
     return {stem: str(directory / f"{stem}.{ext}") for stem, ext in
-            (("ca", "pem"), ("service", "pem"), ("client", "pem"))} | {"service_key": str(directory / "service.key"), "client_key": str(directory / "client.key")}
+            (("ca", "pem"), ("service", "pem"), ("client", "pem"))} | {"service_key": str(directory / "service.key"),
+                                                                       "client_key": str(directory / "client.key")}
 
 
 def service_tls(paths: dict[str, str], mutual: bool = True) -> dict:

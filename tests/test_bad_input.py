@@ -116,7 +116,10 @@ def test_oversized_verify_calls_are_refused_before_any_work(clients):
     coordinator, verifier, _ = clients
     huge = common_pb2.DraftTree(token_ids=[3] * 100_000, parent=[-1] * 100_000)
     expect_error(lambda: _verify(verifier, session_id="huge", round=1, start=_start(), tree=huge), INVALID, "100000 nodes", "at most 256")
-    expect_error(lambda: _verify(verifier, session_id="huge", round=1, start=_start(), fused_tokens=10**6), INVALID, "fused_tokens is 1000000", "at most 64")
+    expect_error(
+        lambda: _verify(verifier, session_id="huge", round=1, start=_start(), fused_tokens=10**6), INVALID, "fused_tokens is 1000000",
+        "at most 64",
+    )
     ended, _ = verifier.call("EndSession", common_pb2.EndSessionRequest(session_id="huge"), common_pb2.EndSessionResponse)
     assert not ended.existed
     still_serving(coordinator)
@@ -143,14 +146,18 @@ def test_mismatched_proposal_arrays(clients):
     _, verifier, _ = clients
     tree = _tree([3], [-1], [(-1, [3], [1.0])])
     tree.expanded_nodes.append(0)
-    expect_error(lambda: _verify(verifier, session_id="s", round=1, start=_start(), tree=tree), INVALID, "expanded_nodes has 2", "proposal has 1")
+    expect_error(
+        lambda: _verify(verifier, session_id="s", round=1, start=_start(), tree=tree), INVALID, "expanded_nodes has 2", "proposal has 1"
+    )
 
 
 def test_unknown_session(clients):
     coordinator, verifier, drafter = clients
     expect_error(lambda: _verify(verifier, session_id="never-opened", round=1), grpc.StatusCode.NOT_FOUND, "unknown session 'never-opened'")
     expect_error(
-        lambda: drafter.call("Draft", drafter_pb2.DraftRequest(session_id="never-opened", num_draft_tokens=2, committed_length=3), drafter_pb2.DraftResponse),
+        lambda: drafter.call(
+            "Draft", drafter_pb2.DraftRequest(session_id="never-opened", num_draft_tokens=2, committed_length=3), drafter_pb2.DraftResponse
+        ),
         grpc.StatusCode.NOT_FOUND,
         "unknown session",
     )
@@ -162,7 +169,9 @@ def test_bad_session_starts(clients):
     _, verifier, drafter = clients
     expect_error(lambda: _verify(verifier, session_id="x", round=1, start=_start(context=())), INVALID, "start.context_token_ids is empty")
     expect_error(lambda: _verify(verifier, session_id="x", round=1, start=_start(context=(1, 500))), INVALID, "outside the vocabulary")
-    expect_error(lambda: _verify(verifier, session_id="x", round=1, start=_start(temperature=-1.0)), INVALID, "start.sampling", "temperature")
+    expect_error(
+        lambda: _verify(verifier, session_id="x", round=1, start=_start(temperature=-1.0)), INVALID, "start.sampling", "temperature"
+    )
     expect_error(
         lambda: drafter.call(
             "Draft",
@@ -286,7 +295,9 @@ def test_failures_reach_the_caller_without_internals(caplog):
     assert request_id in caplog.text and "secret" in caplog.text
     code, details = answer(_DownstreamError(INVALID, "tree.parent[3] = 9 must be -1"))
     assert code == grpc.StatusCode.INTERNAL and "tree.parent" not in details
-    assert answer(_DownstreamError(grpc.StatusCode.UNAVAILABLE, "verifier restarting")) == (grpc.StatusCode.UNAVAILABLE, "verifier restarting")
+    assert answer(_DownstreamError(grpc.StatusCode.UNAVAILABLE, "verifier restarting")) == (
+        grpc.StatusCode.UNAVAILABLE, "verifier restarting"
+    )
 
 
 def test_bearer_tokens_guard_the_client_api_but_not_health(tiny_dirs, tmp_path):
@@ -373,12 +384,16 @@ def test_a_flooded_service_refuses_calls_instead_of_queueing_them(tiny_dirs, mon
     try:
         with gate:
             held = [
-                verifier.call_async("Verify", verifier_pb2.VerifyRequest(session_id=f"f{i}", round=1, start=_start(), fused_tokens=2), timeout=60)
+                verifier.call_async(
+                    "Verify", verifier_pb2.VerifyRequest(session_id=f"f{i}", round=1, start=_start(), fused_tokens=2), timeout=60
+                )
                 for i in range(limit)
             ]
             assert gate.wait_held(limit)
             one_more = verifier_pb2.VerifyRequest(session_id="one-more", round=1, start=_start(), fused_tokens=2)
-            expect_error(lambda: verifier.call("Verify", one_more, verifier_pb2.VerifyResponse, timeout=60), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            expect_error(
+                lambda: verifier.call("Verify", one_more, verifier_pb2.VerifyResponse, timeout=60), grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
             gate.open()
             assert [f.exception() for f in held] == [None] * limit
         assert _verify(verifier, session_id="after", round=1, start=_start(), fused_tokens=2)[0].token_ids

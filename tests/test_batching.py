@@ -109,7 +109,9 @@ def assert_drafts_batch_exactly(engine, shape: TreeShape, features=lambda commit
     def jobs(tag: str, round_number: int, sessions):
         new = [] if round_number == 1 else [3, 5]  # the second round commits two tokens first
         return [
-            engine.draft_job(f"{tag}{i}", s, new, len(p) + len(new), 5, shape, features=features(len(p) + len(new)), round_number=round_number)
+            engine.draft_job(
+                f"{tag}{i}", s, new, len(p) + len(new), 5, shape, features=features(len(p) + len(new)), round_number=round_number
+            )
             for i, (s, p) in enumerate(zip(sessions, PROMPTS))
         ]
 

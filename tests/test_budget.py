@@ -230,7 +230,10 @@ def adaptive_rounds(config: dict, prompts: int = 3) -> tuple[Counter, float]:
     """Rounds per plan and the mean budget of adaptive requests through the real services."""
     with local_stack(config) as stack:
         client = CoordinatorClient(stack["coordinator"])
-        stats = [client.generate(generate_request(prompt_token_ids=[1, 4 + i, 5], max_new_tokens=48, adaptive=True)).stats for i in range(prompts)]
+        stats = [
+            client.generate(generate_request(prompt_token_ids=[1, 4 + i, 5], max_new_tokens=48, adaptive=True)).stats
+            for i in range(prompts)
+        ]
         client.close()
     rounds = Counter()
     for s in stats:

@@ -392,7 +392,9 @@ def test_autoscaled_replicas_fit_the_worker_pods_the_autoscaler_may_add(service,
     policy = SessionsPolicy(**scaling["policy"]["policy_kwargs"])
     assert policy.target_sessions >= 1
     pods = sum(_groups()[name]["maxReplicas"] for name in _advertisers(resource))
-    per_pod = min(int(_groups()[name]["rayStartParams"]["num-gpus"]) for name in _advertisers(resource)) // section.ray_actor_options["num_gpus"]
+    per_pod = (
+        min(int(_groups()[name]["rayStartParams"]["num-gpus"]) for name in _advertisers(resource)) // section.ray_actor_options["num_gpus"]
+    )
     assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"] <= pods * per_pod
 
 
@@ -503,7 +505,9 @@ def test_network_policy_keeps_every_port_but_the_client_api_inside_the_rayservic
     assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["spec"]["policyTypes"] == ["Ingress"]
     cluster = _rayservice()["spec"]["rayClusterConfig"]
     head = _head_pod_labels("specdec-x7k2p", cluster["headGroupSpec"]["template"].get("metadata", {}).get("labels", {}))
-    workers = [{**group["template"].get("metadata", {}).get("labels", {}), "ray.io/node-type": "worker"} for group in cluster["workerGroupSpecs"]]
+    workers = [
+        {**group["template"].get("metadata", {}).get("labels", {}), "ray.io/node-type": "worker"} for group in cluster["workerGroupSpecs"]
+    ]
     outsider = {"app": "something-else"}
     for pod in [head, *workers]:
         for port in (6379, 8265, 10001, 8080, 43121):  # GCS, dashboard, client, metrics, a replica's gRPC port
@@ -520,7 +524,10 @@ QUERIED = re.compile(r"ray_((?:specdec|spec_decode)_[a-z_]*[a-z])")
 
 def exported_metrics() -> set[str]:
     """The metric names the services declare (Ray exports each as ray_<name>)."""
-    sources = [*REPO.glob("coordinator/*.py"), *REPO.glob("specdec/serving/*.py"), *REPO.glob("drafter_service/*.py"), *REPO.glob("verifier_service/*.py")]
+    sources = [
+        *REPO.glob("coordinator/*.py"), *REPO.glob("specdec/serving/*.py"), *REPO.glob("drafter_service/*.py"),
+        *REPO.glob("verifier_service/*.py"),
+    ]
     return {name for path in sources for name in EXPORTED.findall(path.read_text())}
 
 

@@ -32,7 +32,11 @@ Q = torch.tensor([0.25, 0.25, 0.5])
         ("rkl", 0.25 * math.log(0.5) + 0.5 * math.log(2)),
         ("tvd", 0.25),
         # m = (p+q)/2 = [0.375, 0.25, 0.375]
-        ("jsd", 0.5 * (0.5 * math.log(0.5 / 0.375) + 0.25 * math.log(0.25 / 0.375)) + 0.5 * (0.25 * math.log(0.25 / 0.375) + 0.5 * math.log(0.5 / 0.375))),
+        (
+            "jsd",
+            0.5 * (0.5 * math.log(0.5 / 0.375) + 0.25 * math.log(0.25 / 0.375))
+            + 0.5 * (0.25 * math.log(0.25 / 0.375) + 0.5 * math.log(0.5 / 0.375)),
+        ),
     ],
 )
 def test_divergences_against_hand_computed_values(name, expected):
@@ -117,7 +121,10 @@ def test_reduced_vocabulary_drafter_is_exact_in_the_services(distilled, tiny_dir
     }
     verifier = load_model(ModelSpec(str(tiny_dirs["verifier"])))
     with local_stack(config) as stack:
-        assert stack["coordinator_obj"].pair.drafter_info.tokenizer_fingerprint == stack["coordinator_obj"].pair.verifier_info.tokenizer_fingerprint
+        assert (
+            stack["coordinator_obj"].pair.drafter_info.tokenizer_fingerprint
+            == stack["coordinator_obj"].pair.verifier_info.tokenizer_fingerprint
+        )
         client = CoordinatorClient(stack["coordinator"])
         accepted = 0
         for prompt in ([1, 4, 5], [1, 9], [3, 3, 8, 12]):

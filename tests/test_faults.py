@@ -340,7 +340,9 @@ def test_health_says_whether_the_verifier_can_be_reached(tiny_dirs):
 
     def status() -> int:
         with grpc.insecure_channel(address) as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Coordinator"), timeout=5).status
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="specdec.v1.Coordinator"), timeout=5
+            ).status
 
     try:
         assert status() == health_pb2.HealthCheckResponse.SERVING
@@ -415,7 +417,9 @@ def test_services_take_calls_only_with_the_service_token(tiny_dirs, tiny_verifie
     config["coordinator"]["auth"] = {"service_token": "between-us"}
     with local_stack(config) as stack:
         client = CoordinatorClient(stack["coordinator"])
-        assert list(client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=8)).token_ids) == hf_greedy(tiny_verifier, [1, 4, 5], 8)
+        assert list(client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=8)).token_ids) == hf_greedy(
+            tiny_verifier, [1, 4, 5], 8
+        )
         client.close()
         for token, allowed in (("", False), ("guess", False), ("between-us", True)):
             verifier = MeasuredClient(stack["verifier"], VERIFIER_SERVICE, token)
@@ -445,13 +449,16 @@ def test_tls_on_the_client_api(tiny_dirs, tmp_path):
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
         .sign(key, hashes.SHA256())
     )
     (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     config = tiny_config(tiny_dirs)
     config["coordinator"]["tls"] = {"cert_file": str(tmp_path / "cert.pem"), "key_file": str(tmp_path / "key.pem")}
     from tests.conftest import local_stack

@@ -82,7 +82,9 @@ def test_training_time_test_computes_what_a_live_draft_computes(head_dir):
         first, keys, values = head(sequence[:, : n + 1], previous[:, : n + 1], torch.arange(n + 1)[None], mask=causal)
         second, k2, v2 = head(sequence[:, n + 1 : n + 2], first[:, -1:], torch.tensor([[n + 1]]), keys, values)
         torch.testing.assert_close(second[0, 0], steps[1][0, n + 1 - 2], atol=1e-4, rtol=1e-3)
-        third, _, _ = head(sequence[:, n + 2 : n + 3], second, torch.tensor([[n + 2]]), torch.cat([keys, k2], 2), torch.cat([values, v2], 2))
+        third, _, _ = head(
+            sequence[:, n + 2 : n + 3], second, torch.tensor([[n + 2]]), torch.cat([keys, k2], 2), torch.cat([values, v2], 2)
+        )
         torch.testing.assert_close(third[0, 0], steps[2][0, n + 2 - 2], atol=1e-4, rtol=1e-3)
 
 
@@ -171,7 +173,9 @@ def test_greedy_output_equals_the_verifier_alone(feature_stack, tiny_verifier, f
 def test_a_coordinator_running_the_verifier_decodes_exactly(tiny_dirs, head_dir, tiny_verifier, overlap):
     """coordinator.verifier_in_process: the verifier (features included) is called in the
     coordinator's process and the drafter over gRPC; rounds cross one link."""
-    config = _config(tiny_dirs, head_dir, verifier_in_process=True, overlap=overlap, num_draft_tokens=6, tree={"method": "dynamic", "width": 2})
+    config = _config(
+        tiny_dirs, head_dir, verifier_in_process=True, overlap=overlap, num_draft_tokens=6, tree={"method": "dynamic", "width": 2}
+    )
     with local_stack(config) as stack:
         assert "verifier" not in stack and "drafter" in stack  # no verifier server
         client = CoordinatorClient(stack["coordinator"])
@@ -212,7 +216,9 @@ def test_bad_features_are_refused(feature_stack, tiny_dirs):
     start = common_pb2.SessionStart(context_token_ids=[1, 4, 5], sampling=common_pb2.SamplingParams())
 
     def draft(features: common_pb2.Tensor, features_start: int = 0) -> grpc.RpcError:
-        request = drafter_pb2.DraftRequest(session_id="bad", start=start, committed_length=3, num_draft_tokens=2, features=features, features_start=features_start)
+        request = drafter_pb2.DraftRequest(
+            session_id="bad", start=start, committed_length=3, num_draft_tokens=2, features=features, features_start=features_start
+        )
         with pytest.raises(grpc.RpcError) as caught:
             drafter.call("Draft", request, drafter_pb2.DraftResponse)
         return caught.value
@@ -234,7 +240,8 @@ def test_bad_features_are_refused(feature_stack, tiny_dirs):
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "feature head" in caught.value.details()
         model_drafter = MeasuredClient(plain["drafter"], DRAFTER_SERVICE)
         request = drafter_pb2.DraftRequest(
-            session_id="m", start=start, committed_length=3, num_draft_tokens=2, features=common_pb2.Tensor(shape=[2, 32], dtype="float16", data=bytes(128))
+            session_id="m", start=start, committed_length=3, num_draft_tokens=2,
+            features=common_pb2.Tensor(shape=[2, 32], dtype="float16", data=bytes(128)),
         )
         with pytest.raises(grpc.RpcError) as caught:
             model_drafter.call("Draft", request, drafter_pb2.DraftResponse)
@@ -352,7 +359,9 @@ def test_cost_curve_times_the_verifier_where_the_drafter_is_a_head(tiny_dirs, he
     from specdec.bench.cost import run_cost_curve
     from specdec.serving.config import config_from_dict
 
-    config = config_from_dict({"verifier": {"model": {"source": str(tiny_dirs["verifier"]), "dtype": "int8"}}, "drafter": {"model": str(head_dir)}})
+    config = config_from_dict(
+        {"verifier": {"model": {"source": str(tiny_dirs["verifier"]), "dtype": "int8"}}, "drafter": {"model": str(head_dir)}}
+    )
     rows = run_cost_curve(config, [1, 5, 7, 3, 9, 4], [1, 3], repeats=1)
     assert {(r["engine"], r["tokens"]) for r in rows} == {
         (engine, k) for engine in ("served verifier (int8)", "float32 transformers verifier") for k in (1, 3)

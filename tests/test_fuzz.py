@@ -119,7 +119,9 @@ def sampling_params(draw) -> common_pb2.SamplingParams:
 @st.composite
 def session_starts(draw) -> common_pb2.SessionStart:
     context = draw(st.lists(TOKENS, min_size=1, max_size=6))
-    return common_pb2.SessionStart(context_token_ids=context, sampling=draw(sampling_params()), prompt_length=draw(st.integers(0, len(context))))
+    return common_pb2.SessionStart(
+        context_token_ids=context, sampling=draw(sampling_params()), prompt_length=draw(st.integers(0, len(context)))
+    )
 
 
 def never_opened(draw, request) -> Fault:
@@ -326,14 +328,16 @@ def tree_shapes(draw) -> common_pb2.TreeShape:
     """Valid shapes; empty fields take the server's defaults."""
     return common_pb2.TreeShape(
         method=draw(st.sampled_from(("",) + TREE_METHODS)), branching=draw(st.lists(st.integers(1, CAP), max_size=4)),
-        width=draw(st.integers(0, 8) | st.just(CAP)), max_depth=draw(st.integers(0, CAP)), ngram=draw(st.sampled_from(("", "none") + NGRAM_METHODS)),
+        width=draw(st.integers(0, 8) | st.just(CAP)), max_depth=draw(st.integers(0, CAP)),
+        ngram=draw(st.sampled_from(("", "none") + NGRAM_METHODS)),
     )
 
 
 def shape_faults(path: str) -> dict[str, Breaker]:
     """Breakers of the TreeShape at `path`: an unknown method or n-gram choice, sizes past a draft's."""
     bad_branching = st.builds(
-        lambda good, bad, at: good[:at] + [bad] + good[at:], st.lists(st.integers(1, CAP), max_size=3), st.just(0) | BAD_SIZES, st.integers(0, 3)
+        lambda good, bad, at: good[:at] + [bad] + good[at:], st.lists(st.integers(1, CAP), max_size=3), st.just(0) | BAD_SIZES,
+        st.integers(0, 3),
     ) | st.lists(st.integers(1, CAP), min_size=CAP + 1, max_size=CAP + 4)
     return {
         "bad-method": setting(f"{path}.method", st.text(min_size=1, max_size=12).filter(lambda m: m not in TREE_METHODS)),
@@ -391,9 +395,12 @@ def wrong_committed_length(draw, request) -> Fault:
 
 
 TENSORS = st.builds(common_pb2.Tensor, shape=st.just([1, 32]), dtype=st.just("float16"), data=st.binary(min_size=64, max_size=64))
-DRAFT_FAULTS = SESSION_FAULTS | {name: keeping_committed_length(breaker) for name, breaker in CONTEXT_FAULTS.items()} | shape_faults("tree_shape") | {
+DRAFT_FAULTS = SESSION_FAULTS | {
+    name: keeping_committed_length(breaker) for name, breaker in CONTEXT_FAULTS.items()
+} | shape_faults("tree_shape") | {
     "other-tokenizer": setting("verifier_tokenizer_fingerprint", st.text(min_size=1, max_size=32).filter(lambda f: f != FINGERPRINT)),
-    "new-token-outside-vocabulary": tokens_outside("new_token_ids"), "assumed-token-outside-vocabulary": tokens_outside("assumed_token_ids"),
+    "new-token-outside-vocabulary": tokens_outside("new_token_ids"),
+    "assumed-token-outside-vocabulary": tokens_outside("assumed_token_ids"),
     "excluded-token-outside-vocabulary": tokens_outside("pick_excludes"),
     "bad-num_draft_tokens": setting("num_draft_tokens", st.just(0) | st.integers(CAP + 1, UINT32_MAX)),
     "wrong-committed_length": wrong_committed_length, "draft-past-context": draft_past_context,
@@ -426,7 +433,8 @@ def generate_requests(draw) -> coordinator_pb2.GenerateRequest:
         request.use_chat_template = draw(st.booleans())
     optional = {  # unset: the server's defaults
         "max_new_tokens": st.integers(1, 12), "top_p": st.floats(0, 1, exclude_min=True, width=32),
-        "num_draft_tokens": st.integers(0, 8) | st.just(CAP), "adaptive": st.booleans(), "overlap": st.booleans(), "steering": st.just(False),
+        "num_draft_tokens": st.integers(0, 8) | st.just(CAP), "adaptive": st.booleans(), "overlap": st.booleans(),
+        "steering": st.just(False),
     }
     for name, values in optional.items():
         if draw(st.booleans()):
@@ -436,7 +444,9 @@ def generate_requests(draw) -> coordinator_pb2.GenerateRequest:
     return request
 
 
-def prompt_fault(named: str, prompt: st.SearchStrategy = st.just(""), ids: st.SearchStrategy = EMPTY, chat_template: bool = False) -> Breaker:
+def prompt_fault(
+    named: str, prompt: st.SearchStrategy = st.just(""), ids: st.SearchStrategy = EMPTY, chat_template: bool = False
+) -> Breaker:
     """A breaker replacing the prompt fields with `prompt`, `ids` and `chat_template`."""
 
     def breaker(draw, request) -> Fault:
@@ -469,7 +479,8 @@ GENERATE_FAULTS = shape_faults("tree") | {
     "too-many-stops": stop_fault(lambda stop: stop + ["s"] * (LIMITS.max_stop_strings + 1 - len(stop))),
     "long-stop": stop_fault(lambda stop: stop + ["s" * (LIMITS.max_stop_string_chars + 1)]),
     "bad-max_new_tokens": setting("max_new_tokens", st.integers(INT32[0], 0) | st.integers(LIMITS.max_new_tokens + 1, INT32[1])),
-    "bad-temperature": setting("temperature", BAD_TEMPERATURES), "bad-top_p": setting("top_p", BAD_TOP_PS | st.just(0.0)),  # set, 0 is no nucleus
+    "bad-temperature": setting("temperature", BAD_TEMPERATURES),
+    "bad-top_p": setting("top_p", BAD_TOP_PS | st.just(0.0)),  # set, 0 is no nucleus
     "bad-top_k": setting("top_k", BAD_TOP_KS),
     "bad-num_draft_tokens": setting("num_draft_tokens", st.integers(INT32[0], -1) | st.integers(CAP + 1, INT32[1])),
     "steering": setting("steering", st.just(True)),  # the tiny pair has no steering checkpoint
@@ -508,12 +519,15 @@ END_SESSIONS = st.builds(common_pb2.EndSessionRequest, session_id=SESSION_IDS | 
 END_SESSION_FAULTS = {"empty-session_id": setting("session_id", st.just(""))}
 # Valid examples: fewer where a call is slow (a whole generation) or the request simple.
 VERIFY = Rpc(
-    "verifier", VERIFIER_SERVICE, "Verify", verifier_pb2.VerifyResponse, verify_requests(), VERIFY_FAULTS, verify_answer_holds, valid_examples=100
+    "verifier", VERIFIER_SERVICE, "Verify", verifier_pb2.VerifyResponse, verify_requests(), VERIFY_FAULTS, verify_answer_holds,
+    valid_examples=100,
 )
-DRAFT = Rpc("drafter", DRAFTER_SERVICE, "Draft", drafter_pb2.DraftResponse, draft_requests(), DRAFT_FAULTS, draft_answer_holds, valid_examples=100)
+DRAFT = Rpc(
+    "drafter", DRAFTER_SERVICE, "Draft", drafter_pb2.DraftResponse, draft_requests(), DRAFT_FAULTS, draft_answer_holds, valid_examples=100
+)
 GENERATE = Rpc(
-    "coordinator", COORDINATOR_SERVICE, "Generate", coordinator_pb2.GenerateResponse, generate_requests(), GENERATE_FAULTS, generate_answer_holds,
-    valid_examples=40,
+    "coordinator", COORDINATOR_SERVICE, "Generate", coordinator_pb2.GenerateResponse, generate_requests(), GENERATE_FAULTS,
+    generate_answer_holds, valid_examples=40,
 )
 INFO = Rpc("verifier", VERIFIER_SERVICE, "Info", common_pb2.ModelInfo, st.just(common_pb2.InfoRequest()))
 RPCS = [

@@ -1,5 +1,6 @@
 """The layout's rules: no import cycles among the project's modules (imports inside functions
-count too), and the serving side imports nothing from benchmarks or training."""
+count too), the serving side imports nothing from benchmarks or training, and no line runs past
+the project's length."""
 from __future__ import annotations
 
 import ast
@@ -88,7 +89,10 @@ def layer_of(module: str) -> int:
         return 4
     if module == "specdec" or module.startswith(("specdec.cli", "specdec.bench", "specdec.train")):
         return 5
-    for index, prefixes in ((3, ("coordinator",)), (2, ("drafter_service", "verifier_service")), (1, ("specdec.serving",)), (0, ("specdec.core", "specdec.data"))):
+    for index, prefixes in (
+        (3, ("coordinator",)), (2, ("drafter_service", "verifier_service")), (1, ("specdec.serving",)),
+        (0, ("specdec.core", "specdec.data")),
+    ):
         if module.startswith(prefixes):
             return index
     raise AssertionError(f"{module} belongs to no layer: place it in tests/test_layout.py LAYERS")
@@ -110,9 +114,25 @@ def test_layers_import_downward_only():
 
 
 def test_layer_check_catches_an_upward_import():
-    graph = {"coordinator.server": {"drafter_service.server"}, "specdec.core.tree": {"coordinator.server"}, "drafter_service.server": {"verifier_service.verifier"}}
+    graph = {
+        "coordinator.server": {"drafter_service.server"}, "specdec.core.tree": {"coordinator.server"},
+        "drafter_service.server": {"verifier_service.verifier"},
+    }
     assert layering_violations(graph) == [
         "coordinator.server imports another service's drafter_service.server",
         "drafter_service.server imports another service's verifier_service.verifier",
         "specdec.core.tree (core) imports coordinator.server (coordinator)",
     ]
+
+
+MAX_LINE = 140  # the project's line length (pyproject.toml's [tool.ruff] says the same to editors)
+
+
+def test_no_line_is_longer_than_the_projects_limit():
+    sources = [
+        p for folder in (*PACKAGES, "scripts", "tests") for p in (REPO / folder).rglob("*.py") if "v1" not in p.relative_to(REPO).parts
+    ]
+    long = [
+        f"{p.relative_to(REPO)}:{n}" for p in sources for n, line in enumerate(p.read_text().splitlines(), 1) if len(line) > MAX_LINE
+    ]
+    assert not long, f"lines over {MAX_LINE} characters: {long[:20]}"

@@ -125,7 +125,9 @@ def test_sweep_policies_and_checks_compare_like_with_like():
     assert check["adaptive_vs_best_fixed"] == pytest.approx(0.96) and check["adaptive_vs_fused"] == pytest.approx(0.96)
     assert check["overlap_on_vs_off"] == pytest.approx(9.0 / 9.6)
     assert check["fixed_overlap_on_vs_off"] == {"chain-4+overlap": pytest.approx(1.2)}
-    table = format_sweep({"results": [{**r, "mean_accepted_per_round": None, "mean_budget": 0.0, "overlap_hits": 0} for r in rows], "checks": [check]})
+    table = format_sweep(
+        {"results": [{**r, "mean_accepted_per_round": None, "mean_budget": 0.0, "overlap_hits": 0} for r in rows], "checks": [check]}
+    )
     assert "| 20 | - | 0 | fused | 0.96 | 0.96 | 0.94 | chain-4: 1.20 |" in table
 
 

@@ -183,7 +183,10 @@ def test_sampling_with_ngram_drafts_follows_the_verifier_distribution(tiny_dirs,
 
 
 def test_a_model_free_drafter_runs_inside_the_coordinator(tiny_dirs, tiny_verifier):
-    config = {**ngram_config(tiny_dirs, "suffix"), "coordinator": {"drafter_in_process": True, "num_draft_tokens": 4, "adaptive": {"enabled": False}}}
+    config = {
+        **ngram_config(tiny_dirs, "suffix"),
+        "coordinator": {"drafter_in_process": True, "num_draft_tokens": 4, "adaptive": {"enabled": False}},
+    }
     with local_stack(config) as stack:
         assert "drafter" not in stack  # no drafter server
         client = CoordinatorClient(stack["coordinator"])

@@ -72,12 +72,16 @@ def test_chat_turns_use_the_template_and_the_extension_field(api, tiny_stack, ti
         extra_body={"speculation": {"num_draft_tokens": 4, "tree": {"method": "dynamic", "width": 2}}},
     )
     tokenizer = tiny_stack["coordinator_obj"].tokenizer
-    expected = hf_greedy(tiny_verifier, chat_ids(tokenizer, [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3"}]), 20)
+    expected = hf_greedy(
+        tiny_verifier, chat_ids(tokenizer, [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3"}]), 20
+    )
     assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
     spec = reply.model_extra["speculation"]
     assert spec["tree_method"] == "dynamic" and spec["speculation_budget"] == 4
     assert spec["mean_acceptance_length"] >= 1 and 0 <= spec["acceptance_rate"] <= 1
-    alone = api.completions.create(model=MODEL, prompt="w7", max_tokens=10, temperature=0, extra_body={"speculation": {"num_draft_tokens": 0}})
+    alone = api.completions.create(
+        model=MODEL, prompt="w7", max_tokens=10, temperature=0, extra_body={"speculation": {"num_draft_tokens": 0}}
+    )
     assert set(alone.model_extra["speculation"]["plan_rounds"]) == {"fused"}
 
 
@@ -87,7 +91,9 @@ def test_stop_seed_and_sampling_parameters_reach_the_coordinator(api, grpc_clien
     for _ in range(2):  # a seed makes a sampled answer repeatable
         reply = api.completions.create(model=MODEL, prompt="w2 w8", max_tokens=30, temperature=0.9, top_p=0.8, seed=7, stop="w3")
         assert reply.choices[0].text == expected.text
-    streamed = api.completions.create(model=MODEL, prompt="w2 w8", max_tokens=30, temperature=0.9, top_p=0.8, seed=7, stop=["w3"], stream=True)
+    streamed = api.completions.create(
+        model=MODEL, prompt="w2 w8", max_tokens=30, temperature=0.9, top_p=0.8, seed=7, stop=["w3"], stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
@@ -156,7 +162,9 @@ def test_busy_coordinator_answers_429(api, tiny_stack):
 
 def test_real_http_client_needs_no_sdk(http):
     """A plain HTTP client sees the SSE framing: data lines, then [DONE]."""
-    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "w1 w2", "max_tokens": 6, "temperature": 0, "stream": True}) as reply:
+    with http.stream(
+        "POST", "/v1/completions", json={"model": MODEL, "prompt": "w1 w2", "max_tokens": 6, "temperature": 0, "stream": True}
+    ) as reply:
         lines = [line for line in reply.iter_lines() if line]
     assert reply.headers["content-type"].startswith("text/event-stream")
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"

@@ -105,7 +105,9 @@ def test_a_guess_that_nothing_is_accepted_gets_the_drafters_other_pick(overlap_s
 
     def draft(session_id: str, context: list[int], **fields) -> drafter_pb2.DraftResponse:
         start = common_pb2.SessionStart(context_token_ids=context, sampling=common_pb2.SamplingParams())
-        request = drafter_pb2.DraftRequest(session_id=session_id, start=start, committed_length=len(context), num_draft_tokens=3, tree_shape=chain, **fields)
+        request = drafter_pb2.DraftRequest(
+            session_id=session_id, start=start, committed_length=len(context), num_draft_tokens=3, tree_shape=chain, **fields
+        )
         return drafter.call("Draft", request, drafter_pb2.DraftResponse)[0]
 
     context = [1, 4, 5]

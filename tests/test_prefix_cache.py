@@ -84,7 +84,9 @@ def test_sessions_reading_a_cached_prefix_get_what_a_full_read_gives(tiny_dirs, 
     cached_engine = VerifierEngine(spec, feature_checkpoint=str(head_dir), prefix_cache_mib=16)
     assert fresh_engine.prefix is None and cached_engine.prefix is not None
     for keep_features in (False, True):  # the first pass fills the cache, the second reads it with features
-        assert_same_rounds(rounds(cached_engine, f"c{keep_features}", keep_features), rounds(fresh_engine, f"f{keep_features}", keep_features))
+        assert_same_rounds(
+            rounds(cached_engine, f"c{keep_features}", keep_features), rounds(fresh_engine, f"f{keep_features}", keep_features)
+        )
     prefix = cached_engine.prefix
     # First pass: prompts 1 and 2 find 2 and 1 of prompt 0's blocks; the second pass finds them
     # all (prompt 3 starts elsewhere, so only its own blocks, then).

@@ -58,11 +58,20 @@ def test_default_config_is_the_builtin_pair():
         ({"limits": {"max_draft_tokens": 2}}, "coordinator.num_draft_tokens must be in"),  # the default budget is 4
         ({"limits": {"max_fused_tokens": 4}}, "fused_block_tokens must be <= limits.max_fused_tokens"),
         ({"coordinator": {"max_concurrent_requests": 4}}, "unknown key coordinator.max_concurrent_requests"),  # it is in limits
-        ({"coordinator": {"verifier_in_process": True, "network": {"verifier": {"rtt_ms": 5}}}}, "coordinator.network.verifier emulates a link to a verifier"),
+        (
+            {"coordinator": {"verifier_in_process": True, "network": {"verifier": {"rtt_ms": 5}}}},
+            "coordinator.network.verifier emulates a link to a verifier",
+        ),
         ({"coordinator": {"service_tls": {"cert_file": "s.pem"}}}, "coordinator.service_tls needs both cert_file and key_file"),
         ({"coordinator": {"service_tls": {"cert_file": "s.pem", "key_file": "s.key"}}}, "coordinator.service_tls needs ca_file"),
-        ({"coordinator": {"service_tls": {"ca_file": "ca.pem"}}}, "coordinator.service_tls sets client certificates, server_name or ca_file without"),
-        ({"coordinator": {"service_tls": {"cert_file": "s", "key_file": "k", "ca_file": "c", "client_cert_file": "x"}}}, "needs both client_cert_file and client_key_file"),
+        (
+            {"coordinator": {"service_tls": {"ca_file": "ca.pem"}}},
+            "coordinator.service_tls sets client certificates, server_name or ca_file without",
+        ),
+        (
+            {"coordinator": {"service_tls": {"cert_file": "s", "key_file": "k", "ca_file": "c", "client_cert_file": "x"}}},
+            "needs both client_cert_file and client_key_file",
+        ),
     ],
 )
 def test_config_errors_name_the_key(data, phrase):
@@ -122,7 +131,9 @@ def test_printed_stats_give_an_adaptive_request_its_mean_budget():
     from specdec.serving.client import format_stats
     from specdec.v1 import coordinator_pb2
 
-    stats = coordinator_pb2.RoundStats(policy="adaptive", mean_budget=1.25, speculation_budget=4, rounds=8, plan_rounds={"fused": 6, "chain-4": 2})
+    stats = coordinator_pb2.RoundStats(
+        policy="adaptive", mean_budget=1.25, speculation_budget=4, rounds=8, plan_rounds={"fused": 6, "chain-4": 2}
+    )
     assert "8 rounds, mean budget 1.2," in format_stats(stats) and "rounds per plan: chain-4 2, fused 6" in format_stats(stats)
     stats.policy = "fixed"
     assert "8 rounds, budget 4," in format_stats(stats)

@@ -186,7 +186,9 @@ def deploy_declaratively(config: dict, deployments: list[dict]) -> None:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    app = {"name": APP_NAME, "route_prefix": "/", "import_path": "specdec.serving.app:build_app", "args": config, "deployments": deployments}
+    app = {
+        "name": APP_NAME, "route_prefix": "/", "import_path": "specdec.serving.app:build_app", "args": config, "deployments": deployments
+    }
     _get_global_client().deploy_apps(ServeDeploySchema(proxy_location="Disabled", applications=[app]))
 
 

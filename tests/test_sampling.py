@@ -39,7 +39,10 @@ def test_warp_probs_matches_transformers_warpers(temperature, top_k, top_p):
 
 @pytest.mark.parametrize(
     "temperature,top_p,top_k,field",
-    [(-0.1, 1.0, 0, "temperature"), (float("nan"), 1.0, 0, "temperature"), (1.0, 0.0, 0, "top_p"), (1.0, 1.5, 0, "top_p"), (1.0, 1.0, -1, "top_k")],
+    [
+        (-0.1, 1.0, 0, "temperature"), (float("nan"), 1.0, 0, "temperature"), (1.0, 0.0, 0, "top_p"), (1.0, 1.5, 0, "top_p"),
+        (1.0, 1.0, -1, "top_k"),
+    ],
 )
 def test_validate_sampling_names_the_field(temperature, top_p, top_k, field):
     with pytest.raises(ValueError, match=field):

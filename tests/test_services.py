@@ -65,7 +65,9 @@ def test_the_controller_picks_the_plan_unless_the_request_names_one(tiny_dirs):
     )
     with local_stack(config) as stack:
         client = CoordinatorClient(stack["coordinator"])
-        policies = [client.generate(generate_request(prompt_token_ids=[3, 4, 5], max_new_tokens=8, **fields)).stats.policy for fields in named]
+        policies = [
+            client.generate(generate_request(prompt_token_ids=[3, 4, 5], max_new_tokens=8, **fields)).stats.policy for fields in named
+        ]
         client.close()
     assert policies == ["adaptive", "fixed", "fixed", "fixed", "adaptive", "fixed"]
 
@@ -157,7 +159,10 @@ def test_lost_session_is_reopened_with_full_context(tiny_dirs, tiny_verifier):
         with ThreadPoolExecutor(max_workers=3) as pool:
             answers = list(pool.map(lambda ids: client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=30)), prompts))
         client.close()
-        evicted = {service: service_info(stack[role], service).evicted_sessions for role, service in (("drafter", DRAFTER_SERVICE), ("verifier", VERIFIER_SERVICE))}
+        evicted = {
+            service: service_info(stack[role], service).evicted_sessions
+            for role, service in (("drafter", DRAFTER_SERVICE), ("verifier", VERIFIER_SERVICE))
+        }
     for ids, answer in zip(prompts, answers):
         assert list(answer.token_ids) == hf_greedy(tiny_verifier, ids, 30)
     # Without them the exactness above would say nothing about re-opening.
@@ -169,7 +174,9 @@ def test_retried_round_commits_once(tiny_stack):
     verifier = MeasuredClient(tiny_stack["verifier"], VERIFIER_SERVICE)
     start = common_pb2.SessionStart(context_token_ids=[1, 4, 5], sampling=common_pb2.SamplingParams())
     tree = common_pb2.DraftTree(token_ids=[6, 7], parent=[-1, 0])
-    first, _ = verifier.call("Verify", verifier_pb2.VerifyRequest(session_id="retry", round=1, start=start, tree=tree), verifier_pb2.VerifyResponse)
+    first, _ = verifier.call(
+        "Verify", verifier_pb2.VerifyRequest(session_id="retry", round=1, start=start, tree=tree), verifier_pb2.VerifyResponse
+    )
     again, _ = verifier.call("Verify", verifier_pb2.VerifyRequest(session_id="retry", round=1, tree=tree), verifier_pb2.VerifyResponse)
     assert list(again.token_ids) == list(first.token_ids)
     assert again.committed_length == first.committed_length == 3 + len(first.token_ids)

@@ -284,7 +284,9 @@ def test_bad_steering_input_is_refused_and_the_service_keeps_serving(steered_sta
             drafter.Draft(request)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in err.value.details()
     good = common_pb2.Tensor(**vector_to_tensor_fields(torch.randn(32)))
-    reply = drafter.Draft(drafter_pb2.DraftRequest(session_id="s", round=1, start=start, committed_length=2, num_draft_tokens=2, steering=good))
+    reply = drafter.Draft(
+        drafter_pb2.DraftRequest(session_id="s", round=1, start=start, committed_length=2, num_draft_tokens=2, steering=good)
+    )
     assert len(reply.tree.token_ids) == 2 and reply.steering_ms > 0
     channel.close()
 
@@ -359,8 +361,8 @@ def test_ablation_prompt_sets_and_checks(steering_runs):
 
     def row(variant, temperature, accepted, share=0.01, exact=1.0):
         # Four prompts of 10 speculative rounds each; `accepted` per prompt.
-        return {"steering": variant, "temperature": temperature, "prompt_set": "in-distribution", "mean_accepted_per_round": sum(accepted) / 40,
-                "accepted_per_prompt": accepted, "speculative_rounds_per_prompt": [10] * 4,
+        return {"steering": variant, "temperature": temperature, "prompt_set": "in-distribution",
+                "mean_accepted_per_round": sum(accepted) / 40, "accepted_per_prompt": accepted, "speculative_rounds_per_prompt": [10] * 4,
                 "steering_share_of_round_time": share, "greedy_matches_verifier_alone": exact}
 
     steered, distilled = [12, 11, 11, 11], [10, 10, 10, 10]  # +12.5%
@@ -399,7 +401,9 @@ def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(ste
     for _ in range(10):
         drafts = []
         for i, (engine, session) in enumerate(zip((plain, staged), sessions)):
-            drafts.append(engine.draft("s", session, new, len(session.tokens) + len(new), 6, TreeShape("chain"), steering=vector).tree.token_ids)
+            drafts.append(
+                engine.draft("s", session, new, len(session.tokens) + len(new), 6, TreeShape("chain"), steering=vector).tree.token_ids
+            )
         assert drafts[1] == drafts[0]
         # Commit the whole draft and then, where the staged drafter fed a guess after it, that
         # guess: the very case where reusing a guess would keep rows made under the old vector.

@@ -175,10 +175,16 @@ def test_lattice_keeps_the_best_prefixes_of_the_chain_lattice_and_rescoring_move
     assert calls == [chain[:0], chain[:1], chain[:2]]  # the drafter runs the chain only
     # Every token at depth d is scored by the distribution after the chain's token d - 1.
     logq = [draft[ROOT_TOKEN].log()] + [draft[t].log() for t in chain[:2]]
-    scores = {seq: sum(float(logq[d][t]) for d, t in enumerate(seq)) for length in (1, 2, 3) for seq in itertools.product(range(VOCAB), repeat=length)}
+    scores = {
+        seq: sum(float(logq[d][t]) for d, t in enumerate(seq))
+        for length in (1, 2, 3) for seq in itertools.product(range(VOCAB), repeat=length)
+    }
     assert paths(tree) == set(sorted(scores, key=lambda s: -scores[s])[:5])
     # A rescorer that likes token 0 everywhere pulls paths of zeros in.
-    liked = builder_for(TreeShape("lattice-ngram", width=VOCAB, max_depth=3), rescore=lambda path, candidates: [logq + (0.0 if token == 0 else -20.0) for token, logq in candidates])
+    liked = builder_for(
+        TreeShape("lattice-ngram", width=VOCAB, max_depth=3),
+        rescore=lambda path, candidates: [logq + (0.0 if token == 0 else -20.0) for token, logq in candidates],
+    )
     assert paths(build(liked, table_expand(draft, False), 3, None)) == {(0,), (0, 0), (0, 0, 0)}
 
 
@@ -367,7 +373,9 @@ def test_a_lattice_left_without_a_depth_drafts_half_its_budget_deep(tree_stack):
     8 (the last rounds, where fewer tokens are left than the budget, are capped by those)."""
     for method in ("lattice", "lattice-ngram"):
         stats = tree_stack["client"].generate(
-            generate_request(prompt_token_ids=SERVICE_PROMPTS[0], max_new_tokens=40, num_draft_tokens=8, tree=shape_to_proto(TreeShape(method)))
+            generate_request(
+                prompt_token_ids=SERVICE_PROMPTS[0], max_new_tokens=40, num_draft_tokens=8, tree=shape_to_proto(TreeShape(method))
+            )
         ).stats
         assert stats.speculative_rounds and stats.draft_forward_passes < 5 * stats.speculative_rounds, method
 

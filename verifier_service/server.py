@@ -98,5 +98,6 @@ def start(
     with `tls` (ServiceTlsConfig), it speaks TLS only."""
     servicer = _servicer(config, steering_checkpoint, feature_checkpoint, limits)
     return start_model_server(
-        lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), VERIFIER_SERVICE, config.host, config.port, limits, service_token, tls,
+        lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), VERIFIER_SERVICE, config.host, config.port, limits,
+        service_token, tls,
     )

@@ -76,7 +76,8 @@ class VerifierSession:
     keep_features: bool = False
     feature_rows: list[torch.Tensor] = field(default_factory=list)
     features_sent: int = 0
-    unfused: list[torch.Tensor] = field(default_factory=list)  # [rows, 3, hidden] each: the depths of the positions after feature_rows, not fused yet
+    # [rows, 3, hidden] each: the depths of the positions after feature_rows, not fused yet
+    unfused: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_cached(self) -> int:
@@ -85,8 +86,8 @@ class VerifierSession:
 
 class VerifierEngine:
     def __init__(
-        self, spec: ModelSpec, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(),
-        prefix_cache_mib: float = 0.0,
+        self, spec: ModelSpec, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None,
+        limits: LimitsConfig = LimitsConfig(), prefix_cache_mib: float = 0.0,
     ):
         self.spec = spec
         self.model = load_model(spec)
@@ -132,7 +133,10 @@ class VerifierEngine:
         if prompt_length > len(context):
             raise invalid(f"start.prompt_length {prompt_length} exceeds the context's {len(context)} tokens")
         if keep_features and self.fuse is None:
-            raise invalid("start.keep_features asks for features, but this verifier has no feature head checkpoint loaded (a feature-head drafter's directory)")
+            raise invalid(
+                "start.keep_features asks for features, but this verifier has no feature head checkpoint loaded "
+                "(a feature-head drafter's directory)"
+            )
         session = VerifierSession(
             list(context), sampling, self.engine.new_cache(), prompt_length=prompt_length or len(context), keep_features=keep_features
         )
@@ -140,7 +144,8 @@ class VerifierEngine:
         return session
 
     def verify(
-        self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False, features: bool = False
+        self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False,
+        features: bool = False,
     ) -> RoundResult:
         """One round on its own (a service batches `verify_job`s of many sessions instead)."""
         return run_alone(self.verify_job(session, round_number, tree, fused_tokens, steering, features), self.forward_many)
@@ -153,7 +158,8 @@ class VerifierEngine:
         return [(output, size) for output in outputs]
 
     def verify_job(
-        self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False, features: bool = False
+        self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False,
+        features: bool = False,
     ) -> Job:
         """Commits the round's tokens (the accepted path and the next token, or `fused_tokens`
         of the verifier's own without a tree): a job yielding the forwards it needs."""
@@ -171,9 +177,13 @@ class VerifierEngine:
             except MalformedTree as err:
                 raise invalid(str(err)) from None
             if steering and self.steering is None:
-                raise invalid("steering was asked for, but this verifier has no steering checkpoint loaded (the config's steering_checkpoint)")
+                raise invalid(
+                    "steering was asked for, but this verifier has no steering checkpoint loaded (the config's steering_checkpoint)"
+                )
             if features and self.fuse is None:
-                raise invalid("features were asked for, but this verifier has no feature head checkpoint loaded (a feature-head drafter's directory)")
+                raise invalid(
+                    "features were asked for, but this verifier has no feature head checkpoint loaded (a feature-head drafter's directory)"
+                )
             if len(session.tokens) + len(tree) + max(fused_tokens, 1) > self.max_context:
                 raise ServiceError(
                     grpc.StatusCode.OUT_OF_RANGE,
@@ -279,7 +289,8 @@ class VerifierEngine:
         return new, tuple(torch.cat(layer) for layer in zip(*read)) if depths else None
 
     def _verify_tree(self, session: VerifierSession, tree: DraftTree, depths: tuple[int, ...]) -> Job:
-        """The new tokens, and the hidden states at `depths` of the positions committed: the pending tokens and the accepted path; the last one gave the new token."""
+        """The new tokens, and the hidden states at `depths` of the positions committed: the pending
+        tokens and the accepted path; the last one gave the new token."""
         prefilled = yield from self._prefill(session, depths)
         num_cached = session.num_cached
         pending = session.tokens[num_cached:]

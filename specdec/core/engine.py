@@ -173,7 +173,8 @@ class LlamaEngine(torch.nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Feeds `input_ids` after the cached tokens: (logits of the last `num_logits` positions,
         float32; the residual stream after each layer as transformers' output_hidden_states
-        gives it, or None; `hidden_states` a tuple of depths: only those, in that order). Without a mask every token sees the cache and the tokens before it.
+        gives it, or None; `hidden_states` a tuple of depths: only those, in that order).
+        Without a mask every token sees the cache and the tokens before it.
         `prefill` (an empty cache, no mask) lets the torch-ops path run torch's attention kernels:
         many times faster on long prompts, but a token's result then depends on the pass, so only
         a prefix that every way of decoding feeds in the same single pass may take it (a
@@ -191,7 +192,8 @@ class LlamaEngine(torch.nn.Module):
                 raise ValueError("prefill feeds a prompt into an empty cache, causally")
             call.cache.reserve(start + len(call.input_ids))
         if self.native_layers is None:
-            return [self.graphs.forward(call, depths_of(call.hidden_states, len(self.layers))) if self._graphed(call) else self._torch_forward(call)
+            return [self.graphs.forward(call, depths_of(call.hidden_states, len(self.layers)))
+                    if self._graphed(call) else self._torch_forward(call)
                     for call in calls]
         return self._native_forward(calls) if calls else []
 

@@ -111,7 +111,10 @@ class NgramLM:
         weights = sum(weight for weight, _, _ in orders)
         if not weights:
             return [self.FLOOR] * len(tokens)
-        return [sum(weight * index.count(before + (token,)) / seen for weight, before, seen in orders) / weights + self.FLOOR for token in tokens]
+        return [
+            sum(weight * index.count(before + (token,)) / seen for weight, before, seen in orders) / weights + self.FLOOR
+            for token in tokens
+        ]
 
 
 class RecentOutputs:

@@ -202,7 +202,10 @@ def is_steering_checkpoint_for(directory: str, verifier: str) -> bool:
 def _read(directory: str) -> tuple[dict, dict[str, torch.Tensor], str]:
     path = Path(resolve_alias(directory))
     if not (path / STEERING_FILE).is_file() or not (path / STEERING_META).is_file():
-        raise SteeringError(f"{directory} is not a steering checkpoint: it lacks {STEERING_FILE} and {STEERING_META} (train one with specdec distill --steering)")
+        raise SteeringError(
+            f"{directory} is not a steering checkpoint: it lacks {STEERING_FILE} and {STEERING_META} "
+            "(train one with specdec distill --steering)"
+        )
     raw = (path / STEERING_FILE).read_bytes()
     return json.loads((path / STEERING_META).read_text()), load_file(path / STEERING_FILE), hashlib.sha256(raw).hexdigest()[:32]
 
@@ -213,7 +216,10 @@ def load_verifier_steering(directory: str, model: torch.nn.Module) -> tuple[Veri
     state = {k: v.float() for k, v in state.items()}
     hidden, layers = model.config.hidden_size, meta["verifier_layers"]
     if meta["steering_size"] != hidden or max(layers) > model.config.num_hidden_layers:
-        raise SteeringError(f"{directory}: steering made for a verifier of width {meta['steering_size']} reading layers {layers}; this verifier has width {hidden} and {model.config.num_hidden_layers} layers")
+        raise SteeringError(
+            f"{directory}: steering made for a verifier of width {meta['steering_size']} reading layers {layers}; "
+            f"this verifier has width {hidden} and {model.config.num_hidden_layers} layers"
+        )
     part = VerifierSteering(hidden, layers)
     part.load_state_dict({k.removeprefix("verifier."): v for k, v in state.items() if k.startswith("verifier.")})
     return part.to(model.dtype).eval(), fingerprint

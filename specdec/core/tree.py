@@ -97,7 +97,9 @@ class DraftTree:
             support = set(proposal.token_ids)
             siblings = [self.token_ids[c] for c in self.children(node)]
             if len(set(siblings)) != len(siblings):
-                raise MalformedTree(f"tree.token_ids: the children of node {node} repeat a token; sampled siblings are drawn without replacement")
+                raise MalformedTree(
+                    f"tree.token_ids: the children of node {node} repeat a token; sampled siblings are drawn without replacement"
+                )
             missing = [t for t in siblings if t not in support]
             if missing:
                 raise MalformedTree(f"tokens {missing} under node {node} have no probability in its proposal")
@@ -126,7 +128,10 @@ class TreeShape:
         if self.method not in TREE_METHODS:
             raise ValueError(f"tree method must be one of {', '.join(TREE_METHODS)}, got '{self.method}'")
         if not 1 <= len(self.branching) <= cap or any(not 1 <= b <= cap for b in self.branching):
-            raise ValueError(f"tree branching must list 1 to {cap} integers in [1, {cap}], got {self.branching[:8]}{'...' if len(self.branching) > 8 else ''}")
+            raise ValueError(
+                f"tree branching must list 1 to {cap} integers in [1, {cap}], "
+                f"got {self.branching[:8]}{'...' if len(self.branching) > 8 else ''}"
+            )
         if not 1 <= self.width <= cap:
             raise ValueError(f"tree width must be in [1, {cap}], got {self.width}")
         if not 0 <= self.max_depth <= cap:

@@ -11,11 +11,14 @@ def add_tree_arguments(parser: argparse.ArgumentParser, with_method: bool = True
     if with_method:
         parser.add_argument("--tree", choices=TREE_METHODS, help="how the drafter spends the budget (default: the config's)")
     parser.add_argument("--tree-branching", help="static, rsd-c: children per node at depth 1, 2, ..., e.g. 4,2,2")
-    parser.add_argument("--tree-width", type=int, help="dynamic: nodes expanded per depth and children each; rsd-s: beam width; lattice: tokens per depth")
+    parser.add_argument(
+        "--tree-width", type=int, help="dynamic: nodes expanded per depth and children each; rsd-s: beam width; lattice: tokens per depth"
+    )
     parser.add_argument("--tree-depth", type=int, help="deepest level drafted (0 = as deep as the budget allows)")
     parser.add_argument(
         "--ngram", choices=("none", *NGRAM_METHODS),
-        help="n-gram candidates: merged into a drafter model's drafts (hybrid), or the drafts of a drafter without one (default: the drafter's)",
+        help="n-gram candidates: merged into a drafter model's drafts (hybrid), or the drafts of a drafter without one "
+        "(default: the drafter's)",
     )
 
 
@@ -43,5 +46,6 @@ def add_serve_steering_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steering-checkpoint", metavar="DIR",
-        help="SD² checkpoint both services load their halves of (default: the drafter's own directory when it is one made for this verifier; '' = none)",
+        help="SD² checkpoint both services load their halves of (default: the drafter's own directory when it is one made "
+        "for this verifier; '' = none)",
     )

@@ -274,8 +274,8 @@ class Config:
         """What a service takes besides its section: `start(section, **config.service_args(name))`,
         the limits and the checkpoints it loads besides its model."""
         args = {
-            "limits": self.limits, "steering_checkpoint": self.resolved_steering_checkpoint(), "service_token": self.coordinator.auth.service_token,
-            "tls": self.coordinator.service_tls,
+            "limits": self.limits, "steering_checkpoint": self.resolved_steering_checkpoint(),
+            "service_token": self.coordinator.auth.service_token, "tls": self.coordinator.service_tls,
         }
         if service == "verifier":
             args["feature_checkpoint"] = self.resolved_feature_checkpoint()
@@ -283,7 +283,10 @@ class Config:
 
     def __post_init__(self):
         limits = self.limits
-        checks = [(getattr(limits, f.name) > 0, f"limits.{f.name} must be > 0") for f in dataclasses.fields(limits) if f.name != "max_stop_strings"]
+        checks = [
+            (getattr(limits, f.name) > 0, f"limits.{f.name} must be > 0")
+            for f in dataclasses.fields(limits) if f.name != "max_stop_strings"
+        ]
         checks += [
             (limits.max_stop_strings >= 0, "limits.max_stop_strings must be >= 0"),
             (limits.max_draft_tokens <= limits.max_tree_nodes, "limits.max_draft_tokens must be <= limits.max_tree_nodes"),
@@ -293,7 +296,10 @@ class Config:
                 self.coordinator.fused_block_tokens <= limits.max_fused_tokens,
                 "coordinator.fused_block_tokens must be <= limits.max_fused_tokens",
             ),
-            (all(t.strip() == t and t for t in self.coordinator.auth.tokens), "coordinator.auth.tokens must be non-empty, without surrounding spaces"),
+            (
+                all(t.strip() == t and t for t in self.coordinator.auth.tokens),
+                "coordinator.auth.tokens must be non-empty, without surrounding spaces",
+            ),
             (
                 1 <= self.coordinator.default_max_new_tokens <= limits.max_new_tokens,
                 "coordinator.default_max_new_tokens must be in [1, limits.max_new_tokens]",
@@ -305,11 +311,21 @@ class Config:
             (0 <= self.coordinator.port < 65536, "coordinator.port must be in [0, 65535]"),
             (self.drafter.proposal_top_k >= 1, "drafter.proposal_top_k must be >= 1"),
             (
-                all(1 <= b <= limits.max_draft_tokens for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets + self.coordinator.adaptive.hybrid_budgets),
+                all(
+                    1 <= b <= limits.max_draft_tokens
+                    for b in self.coordinator.adaptive.chain_budgets + self.coordinator.adaptive.tree_budgets
+                    + self.coordinator.adaptive.hybrid_budgets
+                ),
                 f"coordinator.adaptive budgets must be in [1, {limits.max_draft_tokens}] (limits.max_draft_tokens)",
             ),
-            (self.coordinator.adaptive.tree_method in TREE_METHODS, f"coordinator.adaptive.tree_method must be one of {', '.join(TREE_METHODS)}"),
-            (self.coordinator.adaptive.hybrid_ngram in NGRAM_METHODS, f"coordinator.adaptive.hybrid_ngram must be one of {', '.join(NGRAM_METHODS)}"),
+            (
+                self.coordinator.adaptive.tree_method in TREE_METHODS,
+                f"coordinator.adaptive.tree_method must be one of {', '.join(TREE_METHODS)}",
+            ),
+            (
+                self.coordinator.adaptive.hybrid_ngram in NGRAM_METHODS,
+                f"coordinator.adaptive.hybrid_ngram must be one of {', '.join(NGRAM_METHODS)}",
+            ),
             (self.coordinator.adaptive.revisit_every >= 2, "coordinator.adaptive.revisit_every must be >= 2"),
             (self.coordinator.num_replicas >= 1, "coordinator.num_replicas must be >= 1"),
             (self.verifier.prefix_cache_mib >= 0, "verifier.prefix_cache_mib must be >= 0 (0 = no prefix cache)"),
@@ -347,13 +363,18 @@ class Config:
         if drafter == ORACLE:  # the bench deploys the oracle from the reference table it recorded; the name alone has nothing to draft
             raise ConfigError(f"drafter.model: {ORACLE_NOT_SERVED}")
         if self.drafter.staged_lookahead and (is_model_free(drafter) or is_feature_head(drafter)):
-            raise ConfigError("drafter.staged_lookahead speeds up a drafter model's own drafting; this drafter has none (n-gram) or is a feature head")
+            raise ConfigError(
+                "drafter.staged_lookahead speeds up a drafter model's own drafting; this drafter has none (n-gram) or is a feature head"
+            )
         if not 0 <= self.drafter.staged_lookahead <= limits.max_draft_tokens:
             raise ConfigError("drafter.staged_lookahead must be in [0, limits.max_draft_tokens]")
         if self.coordinator.drafter_in_process and not is_model_free(drafter):
             raise ConfigError("coordinator.drafter_in_process needs a drafter without a model: drafter.model prompt-lookup or suffix")
         if self.coordinator.verifier_in_process and self.coordinator.network.verifier.active:
-            raise ConfigError("coordinator.network.verifier emulates a link to a verifier that coordinator.verifier_in_process runs in the coordinator's own process: set one of them")
+            raise ConfigError(
+                "coordinator.network.verifier emulates a link to a verifier that coordinator.verifier_in_process runs "
+                "in the coordinator's own process: set one of them"
+            )
         try:
             self.drafter.ngram.validate(model_free=is_model_free(self.drafter.model.source))
         except ValueError as err:
@@ -395,7 +416,10 @@ def build_dataclass(cls, data: Any, path: str):
             raise ConfigError(f"unknown key {path + '.' if path else ''}{unknown[0]}; allowed: {', '.join(fields)}")
         hints = typing.get_type_hints(cls)
         kwargs = {k: build_dataclass(hints[k], v, f"{path + '.' if path else ''}{k}") for k, v in data.items()}
-        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [
+            n for n, f in fields.items()
+            if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         if missing:
             raise ConfigError(f"missing key {path + '.' if path else ''}{missing[0]}")
         try:

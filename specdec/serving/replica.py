@@ -55,8 +55,13 @@ class ModelReplica(GrpcReplica):
         }
         batch_size = metrics.Gauge("specdec_replica_batch_size", "mean sessions' calls per forward pass, over the last few seconds")
         queue_ms = metrics.Gauge("specdec_replica_batch_queue_ms", "mean ms a call waited to join a batch, over the last few seconds")
-        prefix_hits = metrics.Gauge("specdec_replica_prefix_hit_share", "share of new sessions' prompt tokens the prefix cache held, over the last few seconds")
-        evicted = metrics.Counter("specdec_replica_evicted_sessions", "sessions evicted by limits.max_sessions, max_kv_mib or session_ttl_s (each request re-opens its own)")
+        prefix_hits = metrics.Gauge(
+            "specdec_replica_prefix_hit_share", "share of new sessions' prompt tokens the prefix cache held, over the last few seconds"
+        )
+        evicted = metrics.Counter(
+            "specdec_replica_evicted_sessions",
+            "sessions evicted by limits.max_sessions, max_kv_mib or session_ttl_s (each request re-opens its own)",
+        )
         before = common_pb2.ModelInfo()
         client, stop = in_process or MeasuredClient(f"localhost:{self.port}", service, tls=tls), threading.Event()
         self._own = client

@@ -119,7 +119,9 @@ def start_server(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [health_service] if health_service else []
-    reflection.enable_server_reflection(names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection(
+        names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
     if tls:
         credentials = grpc.ssl_server_credentials([tls], root_certificates=client_ca, require_client_auth=client_ca is not None)
         bound = server.add_secure_port(f"{host}:{port}", credentials)
@@ -136,7 +138,9 @@ def start_server(
     return server, bound, health_servicer
 
 
-def start_model_server(add_servicer: Callable[[grpc.Server], None], service: str, host: str, port: int, limits, service_token: str, tls=None):
+def start_model_server(
+    add_servicer: Callable[[grpc.Server], None], service: str, host: str, port: int, limits, service_token: str, tls=None
+):
     """A model service's server (drafter, verifier): its calls at once and message sizes within
     `limits` (LimitsConfig), and, with `service_token`, only callers that show it (health,
     reflection and Info stay open); `tls` (ServiceTlsConfig): TLS only, mutual where it says.
@@ -176,7 +180,9 @@ class BearerTokenAuth(grpc.ServerInterceptor):
         self.tokens = tokens
 
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token: send the metadata 'authorization: Bearer <token>'")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token: send the metadata 'authorization: Bearer <token>'"
+            )
 
         self.deny = {False: grpc.unary_unary_rpc_method_handler(deny), True: grpc.unary_stream_rpc_method_handler(deny)}
 

@@ -84,7 +84,9 @@ def resident_mib() -> float:
 
 
 def shape_to_proto(shape: TreeShape) -> common_pb2.TreeShape:
-    return common_pb2.TreeShape(method=shape.method, branching=shape.branching, width=shape.width, max_depth=shape.max_depth, ngram=shape.ngram)
+    return common_pb2.TreeShape(
+        method=shape.method, branching=shape.branching, width=shape.width, max_depth=shape.max_depth, ngram=shape.ngram
+    )
 
 
 def shape_from_proto(message: common_pb2.TreeShape) -> TreeShape:

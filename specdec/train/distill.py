@@ -108,7 +108,10 @@ class DistillConfig:
             raise ConfigError("jsd_beta must be in (0, 1)")
         if not self.init_layers and not self.student_model:
             raise ConfigError("give init_layers or student_model")
-        for name in ("sample_tokens", "max_prompt_tokens", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every", "generation_batch"):
+        for name in (
+            "sample_tokens", "max_prompt_tokens", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every",
+            "generation_batch",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
 
@@ -149,7 +152,9 @@ def sample_continuations(
         steps.append(tokens)
         mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
     generated = torch.stack(steps, dim=1).tolist()
     return [_cut_at_eos(g, eos) for g in generated]
 
@@ -159,7 +164,10 @@ def _generate_samples(model, tokenizer, prompts, per_prompt, cfg, eos, generator
     samples: list[Sample] = []
     for start in tqdm(range(0, len(jobs), cfg.generation_batch), desc=desc, unit="batch"):
         batch = jobs[start : start + cfg.generation_batch]
-        outs = sample_continuations(model, batch, cfg.sample_tokens if not greedy else cfg.eval_tokens, eos, tokenizer.pad_token_id or 0, generator, greedy, vocab_ids)
+        outs = sample_continuations(
+            model, batch, cfg.sample_tokens if not greedy else cfg.eval_tokens, eos, tokenizer.pad_token_id or 0, generator, greedy,
+            vocab_ids,
+        )
         samples += [(p, o) for p, o in zip(batch, outs) if o]
     return samples
 
@@ -210,7 +218,9 @@ def _steered(steering: SteeringPair | None, hidden_states, mask: torch.Tensor, o
 
 
 @torch.inference_mode()
-def evaluate(student, teacher, samples: list[Sample], pad: int, vocab_ids, steering: SteeringPair | None = None, depth: int = 4, batch: int = 8) -> dict:
+def evaluate(
+    student, teacher, samples: list[Sample], pad: int, vocab_ids, steering: SteeringPair | None = None, depth: int = 4, batch: int = 8
+) -> dict:
     """Agreement, acceptance and accepted tokens per verify call along teacher greedy text.
     Steered, each position reads the vector from o = 1..k positions back, cycling, as in
     rounds of k drafts. `by_offset` splits agreement and acceptance by o (for an unsteered
@@ -251,7 +261,11 @@ def evaluate(student, teacher, samples: list[Sample], pad: int, vocab_ids, steer
         f"accepted_per_verify_call_depth{depth}": sum(accepted_per_call) / len(accepted_per_call),
         "positions": positions,
         "by_offset": {
-            str(o + 1): {"greedy_agreement": float(by_offset[0, o] / by_offset[2, o]), "sampling_acceptance_t1": float(by_offset[1, o] / by_offset[2, o]), "positions": int(by_offset[2, o])}
+            str(o + 1): {
+                "greedy_agreement": float(by_offset[0, o] / by_offset[2, o]),
+                "sampling_acceptance_t1": float(by_offset[1, o] / by_offset[2, o]),
+                "positions": int(by_offset[2, o]),
+            }
             for o in range(cycle)
             if by_offset[2, o] > 0
         },
@@ -269,11 +283,15 @@ def _draft_vocab(samples: list[Sample], size: int, must_have: set[int]) -> list[
 def sample_settings(cfg: DistillConfig) -> dict:
     """What the cached teacher and evaluation samples depend on; another recipe with the same
     settings reuses them (copy samples.pt into its --out)."""
-    keys = ("verifier", "prompts", "sample_tokens", "max_prompt_tokens", "teacher_samples_per_prompt", "eval_prompts", "eval_tokens", "seed")
+    keys = (
+        "verifier", "prompts", "sample_tokens", "max_prompt_tokens", "teacher_samples_per_prompt", "eval_prompts", "eval_tokens", "seed"
+    )
     return {k: getattr(cfg, k) for k in keys}
 
 
-def _student(cfg: DistillConfig, teacher, teacher_samples: list[Sample], eos: set[int], tokenizer) -> tuple[torch.nn.Module, list[int], list[int] | None, bool]:
+def _student(
+    cfg: DistillConfig, teacher, teacher_samples: list[Sample], eos: set[int], tokenizer
+) -> tuple[torch.nn.Module, list[int], list[int] | None, bool]:
     """(student, its layer indices in the verifier, its draft vocabulary, whether its
     embeddings and head are the verifier's, frozen and not stored)."""
     if cfg.student_model and is_drafter_checkpoint(resolve_alias(cfg.student_model)):
@@ -286,7 +304,9 @@ def _student(cfg: DistillConfig, teacher, teacher_samples: list[Sample], eos: se
         student = load_model_weights_only(cfg.student_model, torch.float32)
         if load_tokenizer(cfg.student_model).get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"student_model {cfg.student_model} does not share the verifier's tokenizer")
-        set_head(student, student.lm_head.weight.detach()[torch.tensor(vocab_ids)] if vocab_ids else student.lm_head.weight.detach(), vocab_ids)
+        set_head(
+            student, student.lm_head.weight.detach()[torch.tensor(vocab_ids)] if vocab_ids else student.lm_head.weight.detach(), vocab_ids
+        )
         return student, list(range(student.config.num_hidden_layers)), vocab_ids, False
     return build_student(teacher, cfg.init_layers, vocab_ids), cfg.init_layers, vocab_ids, cfg.share_embeddings
 
@@ -320,7 +340,9 @@ def run_distill(cfg: DistillConfig) -> dict:
         out / "samples.pt",
         sample_settings(cfg),
         lambda: {
-            "teacher": _generate_samples(teacher, tokenizer, train_prompts, cfg.teacher_samples_per_prompt, cfg, eos, generator, "teacher samples"),
+            "teacher": _generate_samples(
+                teacher, tokenizer, train_prompts, cfg.teacher_samples_per_prompt, cfg, eos, generator, "teacher samples"
+            ),
             "eval": _generate_samples(teacher, tokenizer, eval_prompts, 1, cfg, eos, generator, "eval (teacher greedy)", greedy=True),
         },
     )
@@ -419,7 +441,9 @@ def run_distill(cfg: DistillConfig) -> dict:
                 {
                     "config": dataclasses.asdict(cfg), "step": step, "history": history, "before": before,
                     "student": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                    "steering": {"verifier": steering.verifier.state_dict(), "drafter": steering.drafter.state_dict()} if steering else None,
+                    "steering": (
+                        {"verifier": steering.verifier.state_dict(), "drafter": steering.drafter.state_dict()} if steering else None
+                    ),
                     "python_rng": random.getstate(), "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
                 },
                 checkpoint_path,

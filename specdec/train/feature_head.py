@@ -95,7 +95,10 @@ class FeatureHeadConfig:
             raise ConfigError("self_instruct_prompts must be >= 0")
         if self.layers and len(self.layers) != 3:
             raise ConfigError(f"layers must name 3 verifier depths, got {self.layers}")
-        for name in ("max_prompt_tokens", "sample_tokens", "samples_per_prompt", "text_chunk_tokens", "target_top_k", "unroll", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every", "generation_batch"):
+        for name in (
+            "max_prompt_tokens", "sample_tokens", "samples_per_prompt", "text_chunk_tokens", "target_top_k", "unroll", "batch_size",
+            "steps", "eval_prompts", "eval_tokens", "checkpoint_every", "generation_batch",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
 
@@ -110,7 +113,10 @@ class Sample:
 
 
 @torch.inference_mode()
-def _continue(engine, prompt: list[int], max_new: int, layers: list[int], vocab_ids: torch.Tensor, top_k: int, eos: set[int], generator: torch.Generator | None) -> Sample | None:
+def _continue(
+    engine, prompt: list[int], max_new: int, layers: list[int], vocab_ids: torch.Tensor, top_k: int, eos: set[int],
+    generator: torch.Generator | None,
+) -> Sample | None:
     """Runs the verifier's engine along prompt + its own continuation (greedy when generator is
     None), keeping the three depths at every position it reads and its targets."""
     cache, tokens, hidden, ids, probs = engine.new_cache(), list(prompt), [], [], []
@@ -152,7 +158,8 @@ def _batch(samples: list[Sample], head: FeatureHead):
         target_probs.append(s.target_probs.to(device).float())
     probs = torch.cat(target_probs)
     where = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    return ids, previous, valid, where, torch.cat(target_ids), probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)  # no draft-vocabulary mass: no pull
+    # no draft-vocabulary mass: no pull
+    return ids, previous, valid, where, torch.cat(target_ids), probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
 def unrolled(head: FeatureHead, ids, previous, valid, steps: int, window: int) -> list[torch.Tensor]:
@@ -178,7 +185,9 @@ def unrolled(head: FeatureHead, ids, previous, valid, steps: int, window: int) -
             diagonal = (rows[None, :] == rows[:, None] - (k - s)).expand(batch, -1, -1)
             parts.append(diagonal)
         step_mask = torch.cat(parts, dim=2)[:, None]
-        out, keys, values = head(ids[:, window:], fed, positions[:, window:], torch.cat(all_keys, dim=2), torch.cat(all_values, dim=2), step_mask)
+        out, keys, values = head(
+            ids[:, window:], fed, positions[:, window:], torch.cat(all_keys, dim=2), torch.cat(all_values, dim=2), step_mask
+        )
         outputs.append(out)
         all_keys.append(keys)
         all_values.append(values)
@@ -241,7 +250,10 @@ def _loss(head: FeatureHead, samples: list[Sample], steps: int) -> torch.Tensor:
     ids, previous, valid, where, target_ids, target_probs = _batch(samples, head)
     window = _window(samples, steps)
     outputs = unrolled(head, ids, previous, valid, steps, window)
-    losses = [-(target_probs * step.float().log_softmax(-1).gather(1, target_ids)).sum(-1).mean() for step in _step_logits(head, outputs, window, where)]
+    losses = [
+        -(target_probs * step.float().log_softmax(-1).gather(1, target_ids)).sum(-1).mean()
+        for step in _step_logits(head, outputs, window, where)
+    ]
     return torch.stack(losses).mean()
 
 
@@ -263,11 +275,15 @@ def _read_text(engine, ids: list[int], chunk: int, layers: list[int], vocab_ids:
 
 
 @torch.inference_mode()
-def _generate(model, prompts: list[list[int]], max_new: int, eos: list[int], sample: bool, batch: int, desc: str) -> list[tuple[list[int], list[int]]]:
+def _generate(
+    model, prompts: list[list[int]], max_new: int, eos: list[int], sample: bool, batch: int, desc: str
+) -> list[tuple[list[int], list[int]]]:
     """(prompt, continuation up to and with its end token) for every prompt, `batch` at a time,
     left-padded (generate() derives positions from the attention mask)."""
     device = model.device
-    config = GenerationConfig(max_new_tokens=max_new, do_sample=sample, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos[0])
+    config = GenerationConfig(
+        max_new_tokens=max_new, do_sample=sample, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos[0]
+    )
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # little padding
     results: list = [None] * len(prompts)
     for start in tqdm(range(0, len(order), batch), desc=desc, unit="batch"):
@@ -285,7 +301,9 @@ def _generate(model, prompts: list[list[int]], max_new: int, eos: list[int], sam
 
 
 @torch.inference_mode()
-def _teacher_pass(model, sequences: list[tuple[list[int], list[int]]], layers: list[int], vocab_ids: torch.Tensor, top_k: int, batch_tokens: int = 32768) -> list[Sample]:
+def _teacher_pass(
+    model, sequences: list[tuple[list[int], list[int]]], layers: list[int], vocab_ids: torch.Tensor, top_k: int, batch_tokens: int = 32768
+) -> list[Sample]:
     """Every (prompt, continuation) read back in one teacher-forced pass: right-padded, so no
     real token ever sees a pad under the causal mask. Samples live on the CPU."""
     samples = []
@@ -309,7 +327,11 @@ def _teacher_pass(model, sequences: list[tuple[list[int], list[int]]], layers: l
                 n = len(p) + len(c)
                 probs = torch.softmax(out.logits[row, len(p) - 1 : n - 1].float(), -1)[:, vocab_ids]
                 top = torch.topk(probs, top_k)
-                samples.append(Sample(ids[row, :n].clone(), len(p), depths[row, : n - 1].half().cpu(), top.indices.short().cpu(), top.values.half().cpu()))
+                samples.append(
+                    Sample(
+                        ids[row, :n].clone(), len(p), depths[row, : n - 1].half().cpu(), top.indices.short().cpu(), top.values.half().cpu()
+                    )
+                )
             bar.update(end - start)
             start = end
     return samples
@@ -340,7 +362,10 @@ def _collect_batched(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: 
     runs = _generate(model, prompts, cfg.sample_tokens, eos, False, cfg.generation_batch, "verifier greedy (train)")
     runs += _generate(model, many, cfg.sample_tokens, eos, True, cfg.generation_batch, "verifier samples (train)")
     train = _teacher_pass(model, [r for r in runs if len(r[1]) >= 2], layers, vocab_ids, cfg.target_top_k)
-    held_out = _generate(model, [ids_of[r["question_id"]] for r in eval_rows], cfg.eval_tokens, eos, False, cfg.generation_batch, "verifier greedy (held out)")
+    held_out = _generate(
+        model, [ids_of[r["question_id"]] for r in eval_rows], cfg.eval_tokens, eos, False, cfg.generation_batch,
+        "verifier greedy (held out)",
+    )
     evaluation = _teacher_pass(model, [r for r in held_out if len(r[1]) >= 2], layers, vocab_ids, cfg.target_top_k)
     return {
         "train": train,
@@ -356,7 +381,10 @@ def _text_chunks(sample: Sample, size: int) -> list[Sample]:
     pieces = []
     for start in range(0, len(sample.tokens) - 2, size):
         end = min(start + size, len(sample.tokens))
-        pieces.append(Sample(sample.tokens[start:end], 1, sample.hidden[start : end - 1], sample.target_ids[start : end - 1], sample.target_probs[start : end - 1]))
+        pieces.append(Sample(
+            sample.tokens[start:end], 1, sample.hidden[start : end - 1], sample.target_ids[start : end - 1],
+            sample.target_probs[start : end - 1],
+        ))
     return pieces
 
 
@@ -402,7 +430,9 @@ def _collect_text(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: lis
     return samples
 
 
-def _collect(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: list[int], vocab_ids: torch.Tensor, partial_path: Path, settings: dict) -> dict:
+def _collect(
+    cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: list[int], vocab_ids: torch.Tensor, partial_path: Path, settings: dict
+) -> dict:
     """Generation takes hours for large recipes: its progress is saved every 10 prompts to
     `partial_path` and picked up again after a kill."""
     if cfg.device != "cpu":
@@ -419,7 +449,10 @@ def _collect(cfg: FeatureHeadConfig, verifier: _ServedVerifier, layers: list[int
     train, done = partial["train"], partial["prompts_done"]
     for r in tqdm(train_rows[done:], desc="verifier samples (train)", unit="prompt", initial=done, total=len(train_rows)):
         for index in range(cfg.samples_per_prompt):
-            train.append(_continue(engine, ids_of[r["question_id"]], cfg.sample_tokens, layers, vocab_ids, cfg.target_top_k, eos, None if index == 0 else generator))
+            train.append(_continue(
+                engine, ids_of[r["question_id"]], cfg.sample_tokens, layers, vocab_ids, cfg.target_top_k, eos,
+                None if index == 0 else generator,
+            ))
         done += 1
         if done % 10 == 0:
             atomic_save({"settings": settings, "train": train, "prompts_done": done, "generator": generator.get_state()}, partial_path)
@@ -447,19 +480,26 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
         raise ConfigError(f"draft_vocab_from: {cfg.draft_vocab_from} has no draft_vocab.json")
     vocab_ids = json.loads(vocab_file.read_text())
 
-    data_settings = {k: getattr(cfg, k) for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "max_prompt_tokens", "sample_tokens", "samples_per_prompt", "target_top_k", "eval_prompts", "eval_tokens", "seed", "device", "self_instruct_prompts")}
+    data_settings = {k: getattr(cfg, k) for k in (
+        "verifier", "verifier_dtype", "draft_vocab_from", "prompts", "max_prompt_tokens", "sample_tokens", "samples_per_prompt",
+        "target_top_k", "eval_prompts", "eval_tokens", "seed", "device", "self_instruct_prompts",
+    )}
     data_settings["layers"] = layers
     verifier = _ServedVerifier(cfg)
     vocab_tensor = torch.tensor(vocab_ids)
     data = load_or_make(
-        out / "samples.pt", data_settings, lambda: _collect(cfg, verifier, layers, vocab_tensor, out / "samples.partial.pt", data_settings), weights_only=False
+        out / "samples.pt", data_settings, lambda: _collect(cfg, verifier, layers, vocab_tensor, out / "samples.partial.pt", data_settings),
+        weights_only=False,
     )
     train = data["train"]
     if cfg.prompt_text:
-        text_settings = {k: data_settings[k] for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "target_top_k", "layers", "device")}
+        text_settings = {
+            k: data_settings[k] for k in ("verifier", "verifier_dtype", "draft_vocab_from", "prompts", "target_top_k", "layers", "device")
+        }
         text_settings["text_chunk_tokens"] = cfg.text_chunk_tokens
         text = load_or_make(
-            out / "prompt_text.pt", text_settings, lambda: {"samples": _collect_text(cfg, verifier, layers, vocab_tensor)}, weights_only=False
+            out / "prompt_text.pt", text_settings, lambda: {"samples": _collect_text(cfg, verifier, layers, vocab_tensor)},
+            weights_only=False,
         )
         train = train + text["samples"]
     train = sorted(train, key=lambda s: len(s.tokens))  # neighbours batch with little padding
