@@ -1,7 +1,8 @@
 """Run by tests/test_cluster.py in a fresh process (Ray caches its auth mode per process):
 deploys the app on a running Ray cluster the way `specdec serve --ray-address` does, then
 prints, as JSON on a line that starts `PROBE `, where each replica runs, the client address it
-gave, one greedy answer and the replicas' own metric calls.
+gave, one greedy answer, the replicas' own metric calls and what a plaintext call to each
+service gets.
 
     python tests/cluster_probe.py RAY_ADDRESS CONFIG_JSON PORT"""
 from __future__ import annotations
@@ -15,8 +16,13 @@ def main() -> None:
     import ray
     from ray import serve
 
+    import grpc
+
     from specdec.serving.client import CoordinatorClient, generate_request
     from specdec.serving.launch import start_stack
+    from specdec.serving.rpc import MeasuredClient
+    from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
+    from specdec.v1 import common_pb2
 
     client_address = start_stack(config, port, ray_address=address, proxies=False)
     nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
@@ -30,12 +36,22 @@ def main() -> None:
     client = CoordinatorClient(client_address)
     reply = client.generate(generate_request(prompt_token_ids=[1, 4, 5], max_new_tokens=24, num_draft_tokens=3))
     client.close()
-    own_calls = {name: serve.get_deployment_handle(name, app_name="specdec").record_autoscaling_stats.remote().result()
-                 for name in ("Verifier", "Drafter")}
+    handles = {name: serve.get_deployment_handle(name, app_name="specdec") for name in ("Verifier", "Drafter")}
+    own_calls = {name: handle.record_autoscaling_stats.remote().result() for name, handle in handles.items()}
+    plaintext = {}  # a call to a service without the app's TLS: refused
+    for name, service in (("Verifier", VERIFIER_SERVICE), ("Drafter", DRAFTER_SERVICE)):
+        caller = MeasuredClient(handles[name].address.remote().result(), service)
+        try:
+            caller.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=10)
+            plaintext[name] = "OK"
+        except grpc.RpcError as err:
+            plaintext[name] = err.code().name
+        caller.close()
     print("PROBE " + json.dumps({
         "placement": placement, "client_address": client_address, "node_address": node_address, "token_ids": list(reply.token_ids),
         "speculative_rounds": reply.stats.speculative_rounds,
         "draft_wire_ms": reply.stats.draft_wire_ms, "verify_wire_ms": reply.stats.verify_wire_ms, "own_calls": own_calls,
+        "plaintext": plaintext,
     }), flush=True)
     serve.shutdown()
 

@@ -159,8 +159,9 @@ class TlsConfig:
 
 @dataclass
 class ServiceTlsConfig:
-    """TLS on the links between the coordinator and the services (PEM files); none = plaintext,
-    which suits a single node only. The services present cert_file/key_file, which the
+    """TLS on the links between the coordinator and the services (PEM files, or PEM text inline);
+    none = plaintext, which suits a single node only (on a cluster `specdec serve --ray-address`
+    makes the app certificates of its own). The services present cert_file/key_file, which the
     coordinator checks against ca_file under server_name; with client_cert_file/client_key_file
     the services also require the coordinator's certificate, signed by ca_file (mutual TLS).
     The service token is asked for as well."""
@@ -204,6 +205,10 @@ class ServiceTlsConfig:
 
 
 def _read(key: str, path: str) -> bytes:
+    """A PEM file's bytes, or the PEM text given inline (the certificates an app on a cluster
+    makes for itself: specdec/serving/certificates.py)."""
+    if path.lstrip().startswith("-----BEGIN"):
+        return path.encode()
     try:
         return Path(path).read_bytes()
     except OSError as err:

@@ -34,8 +34,12 @@ def start_stack(
 
     config = build_config(app_args)
     if ray_address and not config.coordinator.service_tls.enabled:
-        log.warning("serving on an existing Ray cluster with plaintext links between the coordinator and the services "
-                    "(only the service token guards them); set coordinator.service_tls for TLS inside (docs/design.md)")
+        from specdec.serving.certificates import make_certificates
+
+        # Inline, as the service token is: replicas on other machines share no files with this one.
+        coordinator = {**app_args.get("coordinator", {}), "service_tls": make_certificates().service_tls()}
+        app_args = {**app_args, "coordinator": coordinator}
+        log.info("links inside on mutual TLS with certificates made for this app (coordinator.service_tls sets your own)")
     tls = config.coordinator.tls  # the HTTP API gets the gRPC API's certificate
     https = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls.enabled else {}
     serve.start(
