@@ -467,15 +467,30 @@ def _ratio(ratio: dict) -> str:
     return f"{ratio['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 
-def plot_results(results: list[dict], path: Path) -> None:
+def _panels_by_temperature(results: list[dict], width: float, height: float):
+    """A figure with one panel per temperature (matplotlib, headless): (figure, [(axes, temperature)])."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     temperatures = sorted({r["temperature"] for r in results})
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
-    for ax, temperature in zip(axes[0], temperatures):
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(width * len(temperatures), height), squeeze=False)
+    return fig, list(zip(axes[0], temperatures))
+
+
+def _save(fig, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_results(results: list[dict], path: Path) -> None:
+    fig, panels = _panels_by_temperature(results, 6, 4)
+    for ax, temperature in panels:
         rows = [r for r in results if r["temperature"] == temperature]
         ax.bar([r["name"] for r in rows], [r["tokens_per_second"] for r in rows], color="tab:blue")
         for i, r in enumerate(rows):
@@ -483,24 +498,15 @@ def plot_results(results: list[dict], path: Path) -> None:
         ax.set_title(f"T = {temperature:g}")
         ax.set_ylabel("tokens / s")
         ax.tick_params(axis="x", rotation=30)
-    fig.suptitle("specdec bench: tokens/s (label: speedup vs verifier-only through the services)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, "specdec bench: tokens/s (label: speedup vs verifier-only through the services)", path)
 
 
 def plot_anatomy(results: list[dict], path: Path) -> None:
     """Each row's mean round, part by part, as a stacked bar; a tick marks each hop's floor."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     parts = [("draft_compute_ms", "draft compute"), ("verify_compute_ms", "verify compute"), ("draft_hop_ms", "draft hop"),
              ("verify_hop_ms", "verify hop"), ("coordinator_ms", "coordinator")]
-    temperatures = sorted({r["temperature"] for r in results})
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(7 * len(temperatures), 4.5), squeeze=False)
-    for ax, temperature in zip(axes[0], temperatures):
+    fig, panels = _panels_by_temperature(results, 7, 4.5)
+    for ax, temperature in panels:
         rows = [(r, kind, a) for r, kind, a in _anatomy_rows(results) if r["temperature"] == temperature]
         labels = [r["name"] + (" (per call)" if kind == "verifier_alone" else "") for r, kind, _ in rows]
         left = [0.0] * len(rows)
@@ -519,22 +525,13 @@ def plot_anatomy(results: list[dict], path: Path) -> None:
         ax.set_xlabel("ms per round (|: the hop's bare loopback gRPC call)")
         ax.invert_yaxis()
         ax.legend(fontsize="small")
-    fig.suptitle("specdec bench: round anatomy, ms per speculative round (verifier alone: per call)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, "specdec bench: round anatomy, ms per speculative round (verifier alone: per call)", path)
 
 
 def plot_acceptance_by_budget(results: list[dict], path: Path) -> None:
     """Accepted draft tokens per verifier call against the node budget, one line per tree method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    temperatures = sorted({r["temperature"] for r in results})
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
-    for ax, temperature in zip(axes[0], temperatures):
+    fig, panels = _panels_by_temperature(results, 6, 4)
+    for ax, temperature in panels:
         rows = [r for r in results if r["temperature"] == temperature and r["method"] == "speculative"]
         for tree in dict.fromkeys(r["tree"] for r in rows):
             line = sorted((r["budget"], r["mean_accepted_per_round"]) for r in rows if r["tree"] == tree)
@@ -544,7 +541,4 @@ def plot_acceptance_by_budget(results: list[dict], path: Path) -> None:
         ax.set_xlabel("draft tree nodes per round (budget)")
         ax.set_ylabel("accepted draft tokens per verifier call")
         ax.legend()
-    fig.suptitle("specdec bench: acceptance by tree method and budget")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, "specdec bench: acceptance by tree method and budget", path)
