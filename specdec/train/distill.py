@@ -56,7 +56,7 @@ from specdec.core.steering import (
 )
 from specdec.serving.config import ConfigError
 from specdec.train.divergences import DIVERGENCES, divergence
-from specdec.train.files import atomic_save, load_or_make
+from specdec.train.files import Checkpoint, load_or_make, train_step, warmup_then_linear
 
 DATA_MODES = ("teacher", "on-policy", "mixed")
 
@@ -372,7 +372,7 @@ def run_distill(cfg: DistillConfig) -> dict:
     vocab_tensor = None if vocab_ids is None else torch.tensor(vocab_ids)
     trainable = [p for p in student.parameters() if p.requires_grad] + (steering.parameters() if steering else [])
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / cfg.steps))
+    schedule = warmup_then_linear(optimizer, cfg.steps, floor=0.1)
 
     def evaluations(steered: bool) -> tuple[dict, dict | None]:
         """On the held-out prompts, and apart on those of the excluded categories."""
@@ -380,23 +380,14 @@ def run_distill(cfg: DistillConfig) -> dict:
         outside = evaluate(student, teacher, excluded_eval_samples, pad, vocab_tensor, use) if excluded_eval_samples else None
         return evaluate(student, teacher, eval_samples, pad, vocab_tensor, use), outside
 
-    checkpoint_path = out / "checkpoint.pt"
+    checkpoint = Checkpoint(out, dataclasses.asdict(cfg), optimizer, schedule, generator)
     step, history, before = 0, [], None
-    if checkpoint_path.is_file():
-        state = torch.load(checkpoint_path, weights_only=False)
-        if state["config"] != dataclasses.asdict(cfg):
-            raise ConfigError(f"{checkpoint_path} was made with another recipe; use a new --out or delete it")
+    if (state := checkpoint.resume()) is not None:
         student.load_state_dict(state["student"])
         if steering:
             steering.verifier.load_state_dict(state["steering"]["verifier"])
             steering.drafter.load_state_dict(state["steering"]["drafter"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
         step, history, before = state["step"], state["history"], state["before"]
-        random.setstate(state["python_rng"])
-        generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        print(f"resuming from step {step}")
     student.eval()
     if before is None:
         before = evaluations(steered=False)  # an untrained steering is exactly no steering
@@ -425,11 +416,7 @@ def run_distill(cfg: DistillConfig) -> dict:
         with _steered(steering, teacher_out.hidden_states, mask, offsets):
             student_logp = student(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)[loss_mask]
         loss = divergence(cfg.divergence, teacher_logp, student_logp, cfg.jsd_beta).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        schedule.step()
+        train_step(loss, trainable, optimizer, schedule)
         step += 1
         with torch.no_grad():
             live_accept = float(torch.minimum(teacher_logp.exp(), student_logp.exp()).sum(-1).mean())
@@ -437,16 +424,9 @@ def run_distill(cfg: DistillConfig) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", accept=f"{live_accept:.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            atomic_save(
-                {
-                    "config": dataclasses.asdict(cfg), "step": step, "history": history, "before": before,
-                    "student": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                    "steering": (
-                        {"verifier": steering.verifier.state_dict(), "drafter": steering.drafter.state_dict()} if steering else None
-                    ),
-                    "python_rng": random.getstate(), "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
-                },
-                checkpoint_path,
+            checkpoint.save(
+                step=step, history=history, before=before, student=student.state_dict(),
+                steering={"verifier": steering.verifier.state_dict(), "drafter": steering.drafter.state_dict()} if steering else None,
             )
     bar.close()
     student.eval()

@@ -57,7 +57,7 @@ from specdec.core.prompts import (
 )
 from specdec.core.steering import default_layers
 from specdec.serving.config import ConfigError
-from specdec.train.files import atomic_save, load_or_make
+from specdec.train.files import Checkpoint, atomic_save, load_or_make, train_step, warmup_then_linear
 
 
 @dataclass
@@ -509,20 +509,12 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True  # the head's training; the verifier's samples above ran in full float32
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / cfg.steps))
-    checkpoint_path = out / "checkpoint.pt"
+    schedule = warmup_then_linear(optimizer, cfg.steps, floor=0.05)
+    checkpoint = Checkpoint(out, dataclasses.asdict(cfg), optimizer, schedule)
     step, history, before = 0, [], None
-    if checkpoint_path.is_file():
-        state = torch.load(checkpoint_path, weights_only=False)
-        if state["config"] != dataclasses.asdict(cfg):
-            raise ConfigError(f"{checkpoint_path} was made with another recipe; use a new --out or delete it")
+    if (state := checkpoint.resume()) is not None:
         head.load_state_dict(state["head"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
         step, history, before = state["step"], state["history"], state["before"]
-        random.setstate(state["python_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        print(f"resuming from step {step}")
     if before is None:
         before = evaluate(head, data["eval"], cfg.unroll)
         print("before:", json.dumps(before))
@@ -531,25 +523,14 @@ def run_feature_head(cfg: FeatureHeadConfig) -> dict:
         anchor = random.randrange(len(train))
         batch = train[max(0, anchor - cfg.batch_size // 2) :][: cfg.batch_size]
         loss = _loss(head, batch, cfg.unroll)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        schedule.step()
+        train_step(loss, trainable, optimizer, schedule)
         step += 1
         history.append({"step": step, "loss": loss.item()})
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             trained = {k: v for k, v in head.state_dict().items() if not k.startswith(("embed.", "lm_head."))}
-            atomic_save(
-                {
-                    "config": dataclasses.asdict(cfg), "step": step, "history": history, "before": before, "head": trained,
-                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                    "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
-                },
-                checkpoint_path,
-            )
+            checkpoint.save(step=step, history=history, before=before, head=trained)
     bar.close()
     head.eval()
     after = evaluate(head, data["eval"], cfg.unroll)
