@@ -203,91 +203,132 @@ def decode_rounds(
     verifier checks this one, guessing the likeliest outcome (`overlap_guess`); when it came
     true, the next round starts without waiting for the drafter. A draft whose nodes carry
     confidences is cut to the nodes worth their verify cost (`costs`, measured every round)."""
-    generated, ahead = 0, None  # ahead: an overlapped draft, with the plan it was made for
-    deferred = None  # a plan that waits one round for the verifier's features
-    standby = DrafterStandby(meter)
-    began = time.perf_counter()  # the round's start: the last one's end, so what the caller does between rounds counts
-    folded = False  # the last round fetched features, and its time is part of this one's
+    rounds = _Rounds(session, shape, meter, costs, overlap)
+    generated, deferred = 0, None  # deferred: a plan that waits one round for the verifier's features
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
         plan, deferred = deferred or policy.choose(), None
-        depth = min(shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
-        draft = None
-        if plan.budget and depth > 0 and session.can_draft and standby.ready():
-            # A depth the request left open stays the tree builder's choice (a lattice drafts half
-            # its budget deep) unless the tokens left cap it.
-            round_depth = 0 if not shape.max_depth and plan.budget <= remaining - 1 else depth
-            round_shape = replace(shape, method=plan.method, max_depth=round_depth, ngram=plan.ngram or shape.ngram)
-            if ahead is not None:  # its guess came true: this round's draft is ready
-                (draft, draft_call, plan), ahead = ahead, None
-                exposed_draft_ms = exposed_wire_ms = 0.0
-                meter.overlap_hits += 1
-            else:
-                draft, draft_call = standby.draft(session, plan.budget, round_shape)
-                if draft is not None:
-                    meter.add_call(draft_call, is_draft=True)
-                    exposed_draft_ms, exposed_wire_ms = draft_call.compute_ms, draft_call.overhead_ms
-        if draft is not None and draft.confidence:
-            draft = _worth_verifying(draft, costs)
-        if draft is not None and not draft.tree.token_ids:
-            draft, fused = None, 1  # nothing to propose (an n-gram drafter without a match): ask again after a token
-        elif draft is None:
-            fused = min(fused_block, remaining)
-        features = False  # the verifier keeps a feature head's features; they travel before drafting rounds
-        if draft is None and plan.budget and not session.can_draft and standby.ready():
+        drafted, plan = rounds.draft(plan, remaining)
+        if drafted is not None and drafted.draft.tree.token_ids:
+            report, verdict, verify_call = rounds.verify_draft(plan, drafted)
+            features = False
+        else:  # the verifier alone: by plan, with nothing drafted, or without a drafter
             # A feature head drafts from the features of every committed position: one verifier
             # token brings them, and the plan runs next round.
-            fused, features, deferred = 1, True, plan
-        if draft is None:  # the verifier alone: by plan, with nothing drafted, or without a drafter
-            plan, ahead = Plan(0), None
-            verdict, verify_call = session.verify(None, fused_tokens=fused, features=features)
-            report = RoundReport(
-                plan, 0, 0, len(verdict.token_ids), 0.0, verify_call.compute_ms, 0.0, verify_call.overhead_ms, verify_call.opened,
-                verdict.batch_rows, verdict.batch_sessions,
-            )
-            if not report.opened:
-                costs.observe(1, verify_call.compute_ms, verify_call.overhead_ms, generated=len(verdict.token_ids))
-        else:
-            structure = DraftTree(list(draft.tree.token_ids), list(draft.tree.parent))  # parents only: no proposals needed here
-            if overlap is None:
-                verdict, verify_call = session.verify(draft.tree, features=True)
-            else:
-                context_length = len(session.context)
-                verifying = overlap.submit(session.verify, draft.tree, 0, True)
-                assumed, excludes = overlap_guess(structure, meter.accepted_counts)
-                next_draft, next_call = standby.draft(session, plan.budget, round_shape, assumed, context_length, excludes)
-                verdict, verify_call = verifying.result()
-                if next_draft is not None:
-                    meter.add_call(next_call, is_draft=True)
-                    hit = list(next_draft.assumed_token_ids) == list(verdict.token_ids)
-                    ahead = (next_draft, next_call, plan) if hit else None
-            nodes = len(structure)
-            report = RoundReport(
-                plan, verdict.num_accepted_draft_tokens, max(structure.depths(), default=0), 1 + nodes,
-                exposed_draft_ms, verify_call.compute_ms, exposed_wire_ms, verify_call.overhead_ms, verify_call.opened or draft_call.opened,
-                verdict.batch_rows, verdict.batch_sessions,
-            )
-            if not verify_call.opened:
-                costs.observe(1 + nodes, verify_call.compute_ms, verify_call.overhead_ms)
-            meter.speculative_rounds += 1
-            meter.accepted += verdict.num_accepted_draft_tokens
-            meter.accepted_counts[verdict.num_accepted_draft_tokens] += 1
-            meter.drafted += nodes
-        ended = time.perf_counter()
-        report.wall_ms = (ended - began) * 1e3
-        # A round that fetched features is part of the cost of the plan that needed them, next
-        # round (but not one that read the prompt: a request's first round is no plan's cost).
-        if not features or report.opened:
-            began = ended
-            policy.observe(report)
-            if not (report.opened or folded):  # the anatomy counts rounds that are only themselves
-                anatomy = meter.verifier_alone_anatomy if draft is None else meter.speculative_anatomy
-                anatomy.add(report, None if draft is None else draft_call, verify_call)
-        folded = features and not report.opened  # this round's time goes into the next one's
-        meter.add_call(verify_call, is_draft=False)
-        meter.add_plan(plan)
+            features = bool(plan.budget) and not session.can_draft and rounds.standby.ready()
+            # Nothing to propose (an n-gram drafter without a match): ask again after a token.
+            fused = 1 if features or drafted is not None else min(fused_block, remaining)
+            deferred = plan if features else None
+            drafted, (report, verdict, verify_call) = None, rounds.verify_alone(fused, features)
+        rounds.account(policy, report, drafted, verify_call, features)
         generated += len(verdict.token_ids)
         yield list(verdict.token_ids)
+
+
+@dataclass
+class _Drafted:
+    draft: object  # the DraftResponse
+    call: object  # its ServiceCall
+    shape: TreeShape  # the round's tree shape (the next overlapped draft takes it too)
+    exposed_draft_ms: float  # what the round waited for: 0 for a draft made while the last round was verified
+    exposed_wire_ms: float
+
+
+class _Rounds:
+    """What carries from round to round: an overlapped draft made for the next round (`ahead`),
+    the drafter's standby after failures, and the time the round began (the last one's end,
+    so what the caller does between rounds counts)."""
+
+    def __init__(self, session: PairSession, shape: TreeShape, meter: Meter, costs: VerifyCosts, overlap: ThreadPoolExecutor | None):
+        self.session, self.shape, self.meter, self.costs, self.overlap = session, shape, meter, costs, overlap
+        self.standby = DrafterStandby(meter)
+        self.ahead: tuple[object, object, Plan] | None = None  # an overlapped draft and its call, with the plan it was made for
+        self.began = time.perf_counter()
+        self.folded = False  # the last round fetched features, and its time is part of this one's
+
+    def draft(self, plan: Plan, remaining: int) -> tuple[_Drafted | None, Plan]:
+        """This round's draft (None: the plan drafts none, or the drafter cannot now) and its
+        plan: an overlapped draft ready from the last round brings the plan it was made for."""
+        depth = min(self.shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
+        if not (plan.budget and depth > 0 and self.session.can_draft and self.standby.ready()):
+            return None, plan
+        # A depth the request left open stays the tree builder's choice (a lattice drafts half
+        # its budget deep) unless the tokens left cap it.
+        round_depth = 0 if not self.shape.max_depth and plan.budget <= remaining - 1 else depth
+        shape = replace(self.shape, method=plan.method, max_depth=round_depth, ngram=plan.ngram or self.shape.ngram)
+        if self.ahead is not None:  # its guess came true: this round's draft is ready
+            (draft, call, plan), self.ahead = self.ahead, None
+            drafted = _Drafted(draft, call, shape, 0.0, 0.0)
+            self.meter.overlap_hits += 1
+        else:
+            draft, call = self.standby.draft(self.session, plan.budget, shape)
+            if draft is None:
+                return None, plan
+            self.meter.add_call(call, is_draft=True)
+            drafted = _Drafted(draft, call, shape, call.compute_ms, call.overhead_ms)
+        if drafted.draft.confidence:
+            drafted.draft = _worth_verifying(drafted.draft, self.costs)
+        return drafted, plan
+
+    def verify_alone(self, fused: int, features: bool):
+        """`fused` tokens from the verifier alone (and, with `features`, the features of the
+        positions they commit); (report, verdict, call)."""
+        self.ahead = None
+        verdict, call = self.session.verify(None, fused_tokens=fused, features=features)
+        report = RoundReport(
+            Plan(0), 0, 0, len(verdict.token_ids), 0.0, call.compute_ms, 0.0, call.overhead_ms, call.opened,
+            verdict.batch_rows, verdict.batch_sessions,
+        )
+        if not report.opened:
+            self.costs.observe(1, call.compute_ms, call.overhead_ms, generated=len(verdict.token_ids))
+        return report, verdict, call
+
+    def verify_draft(self, plan: Plan, drafted: _Drafted):
+        """The draft verified; with overlap the next round's draft is made meanwhile, assuming
+        the likeliest outcome, and kept where that came true. (report, verdict, call)."""
+        session, meter, tree = self.session, self.meter, drafted.draft.tree
+        structure = DraftTree(list(tree.token_ids), list(tree.parent))  # parents only: no proposals needed here
+        if self.overlap is None:
+            verdict, call = session.verify(tree, features=True)
+        else:
+            context_length = len(session.context)
+            verifying = self.overlap.submit(session.verify, tree, 0, True)
+            assumed, excludes = overlap_guess(structure, meter.accepted_counts)
+            next_draft, next_call = self.standby.draft(session, plan.budget, drafted.shape, assumed, context_length, excludes)
+            verdict, call = verifying.result()
+            if next_draft is not None:
+                meter.add_call(next_call, is_draft=True)
+                hit = list(next_draft.assumed_token_ids) == list(verdict.token_ids)
+                self.ahead = (next_draft, next_call, plan) if hit else None
+        nodes = len(structure)
+        report = RoundReport(
+            plan, verdict.num_accepted_draft_tokens, max(structure.depths(), default=0), 1 + nodes,
+            drafted.exposed_draft_ms, call.compute_ms, drafted.exposed_wire_ms, call.overhead_ms, call.opened or drafted.call.opened,
+            verdict.batch_rows, verdict.batch_sessions,
+        )
+        if not call.opened:
+            self.costs.observe(1 + nodes, call.compute_ms, call.overhead_ms)
+        meter.speculative_rounds += 1
+        meter.accepted += verdict.num_accepted_draft_tokens
+        meter.accepted_counts[verdict.num_accepted_draft_tokens] += 1
+        meter.drafted += nodes
+        return report, verdict, call
+
+    def account(self, policy: RoundPolicy, report: RoundReport, drafted: _Drafted | None, verify_call, features: bool) -> None:
+        """The round's wall time, told to the policy and the anatomy. A round that fetched
+        features is part of the cost of the plan that needed them, next round (but not one that
+        read the prompt: a request's first round is no plan's cost)."""
+        ended = time.perf_counter()
+        report.wall_ms = (ended - self.began) * 1e3
+        if not features or report.opened:
+            self.began = ended
+            policy.observe(report)
+            if not (report.opened or self.folded):  # the anatomy counts rounds that are only themselves
+                anatomy = self.meter.verifier_alone_anatomy if drafted is None else self.meter.speculative_anatomy
+                anatomy.add(report, None if drafted is None else drafted.call, verify_call)
+        self.folded = features and not report.opened  # this round's time goes into the next one's
+        self.meter.add_call(verify_call, is_draft=False)
+        self.meter.add_plan(report.plan)
 
 
 def _worth_verifying(draft, costs: VerifyCosts):
