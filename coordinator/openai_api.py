@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming too),
 /v1/models and /health, served as the coordinator's Ray Serve ingress.
 
-Each request becomes one GenerateRequest run through the same CoordinatorServicer as the gRPC
-API (same validation, concurrency limit and decoding), so the text is the gRPC API's. The
+Each request body is read as a pydantic model (CompletionBody, ChatBody: strict types, errors
+naming the field) and becomes one GenerateRequest run through the same CoordinatorServicer as
+the gRPC API (same validation, concurrency limit and decoding), so the text is the gRPC API's. The
 speculation settings ride in the extension field `speculation` (GenerateRequest's names:
 num_draft_tokens, tree, adaptive, overlap, steering); `top_k` is accepted as vLLM does."""
 from __future__ import annotations
@@ -13,12 +14,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Annotated, Iterator, Literal, Union
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from specdec.core.prompts import chat_ids
@@ -28,6 +30,12 @@ from specdec.v1 import coordinator_pb2
 DISCONNECT_POLL_S = 0.05  # how often a running request checks that its HTTP client is still there
 SPECULATION_FIELDS = ("num_draft_tokens", "tree", "adaptive", "overlap", "steering")
 CHAT_ROLES = ("system", "user", "assistant")
+ONE_OF = {  # the fields that take one of several forms, and how an error names them
+    "prompt": "a string, a list of one string, or a list of token ids",
+    "stop": "a string or a list of strings",
+    "temperature": "a number",
+    "top_p": "a number",
+}
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -91,6 +99,47 @@ class ForwardedCall:
             self.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token: send 'authorization: Bearer <token>'")
 
 
+class _Body(BaseModel):
+    """What this server reads of a completions request (OpenAI's clients send more: ignored).
+    Strict: a string is not a number, nor a boolean an integer."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    n: StrictInt = 1
+    max_tokens: Annotated[StrictInt, Field(ge=1, lt=2**31)] | None = None
+    temperature: StrictFloat | StrictInt = 1.0  # OpenAI's default
+    top_p: StrictFloat | StrictInt | None = None
+    top_k: Annotated[StrictInt, Field(ge=0, lt=2**31)] | None = None  # as vLLM accepts it
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**64)] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    speculation: dict | None = None  # GenerateRequest's fields, parsed by protobuf below
+    stream: StrictBool = False
+    stream_options: dict | None = None
+
+
+class CompletionBody(_Body):
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    role: Literal[CHAT_ROLES]
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, lt=2**31)] | None = None  # the newer name of max_tokens
+
+
 @dataclass
 class Completion:
     """One parsed request: what to run and how to answer."""
@@ -116,43 +165,41 @@ class OpenAIFrontend:
     def parse(self, body, chat: bool) -> Completion:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if model not in (None, self.model_name):
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", param="model")
-        if body.get("n", 1) != 1:
+        try:
+            parsed = (ChatBody if chat else CompletionBody).model_validate(body)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = str(first["loc"][0])
+            if field in ONE_OF:  # pydantic would name each alternative it tried
+                raise ApiError(400, f"{field} must be {ONE_OF[field]}", param=field) from None
+            where = ".".join(str(part) for part in first["loc"])
+            raise ApiError(400, f"{where}: {first['msg']}", param=field) from None
+        if parsed.model not in (None, self.model_name):
+            raise ApiError(404, f"the model '{parsed.model}' does not exist; this server serves '{self.model_name}'", param="model")
+        if parsed.n != 1:
             raise ApiError(400, "n: only one choice per request is served", param="n")
-        if chat:
-            ids = self._chat_prompt(body.get("messages"))
-        else:
-            ids = self._text_prompt(body.get("prompt"))
-        request = coordinator_pb2.GenerateRequest(prompt_token_ids=ids)
-        limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else body.get("max_tokens")
-        _set(request, "max_new_tokens", limit, int, "max_tokens")
-        _set(request, "temperature", body.get("temperature", 1.0), float, "temperature")  # OpenAI's default
-        _set(request, "top_p", body.get("top_p"), float, "top_p")
-        _set(request, "top_k", body.get("top_k"), int, "top_k")
-        _set(request, "seed", body.get("seed"), int, "seed")
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop
-        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise ApiError(400, "stop must be a string or a list of strings", param="stop")
-        request.stop.extend(stop or [])
-        speculation = body.get("speculation") or {}
-        unknown = sorted(set(speculation) - set(SPECULATION_FIELDS)) if isinstance(speculation, dict) else ["(not an object)"]
-        if unknown:
+        ids = self._chat_prompt(parsed.messages) if chat else self._text_prompt(parsed.prompt)
+        limit = parsed.max_completion_tokens if chat and parsed.max_completion_tokens is not None else parsed.max_tokens
+        request = coordinator_pb2.GenerateRequest(
+            prompt_token_ids=ids, temperature=parsed.temperature, top_k=parsed.top_k or 0, seed=parsed.seed or 0,
+            stop=[parsed.stop] if isinstance(parsed.stop, str) else parsed.stop or [],
+        )
+        if limit is not None:
+            request.max_new_tokens = limit
+        if parsed.top_p is not None:
+            request.top_p = parsed.top_p
+        speculation = parsed.speculation or {}
+        if unknown := sorted(set(speculation) - set(SPECULATION_FIELDS)):
             raise ApiError(400, f"speculation: unknown field {unknown[0]}; allowed: {', '.join(SPECULATION_FIELDS)}", param="speculation")
         try:
             ParseDict(speculation, request)
         except ParseError as err:
             raise ApiError(400, f"speculation: {err}", param="speculation") from None
-        stream = body.get("stream", False)
-        options = body.get("stream_options") or {}
-        if not isinstance(stream, bool) or not isinstance(options, dict):
-            raise ApiError(400, "stream must be a boolean and stream_options an object", param="stream")
-        return Completion(request, len(ids), chat, stream, bool(options.get("include_usage")))
+        include_usage = bool((parsed.stream_options or {}).get("include_usage"))
+        return Completion(request, len(ids), chat, parsed.stream, include_usage)
 
-    def _text_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1:
+    def _text_prompt(self, prompt: str | list) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return self.coordinator.prompt_ids(coordinator_pb2.GenerateRequest(prompt_token_ids=prompt))
@@ -160,15 +207,8 @@ class OpenAIFrontend:
             raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids", param="prompt")
         return self.coordinator.prompt_ids(coordinator_pb2.GenerateRequest(prompt=prompt))
 
-    def _chat_prompt(self, messages) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", param="messages")
-        turns = []
-        for i, message in enumerate(messages):
-            role = message.get("role") if isinstance(message, dict) else None
-            if role not in CHAT_ROLES:
-                raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", param="messages")
-            turns.append({"role": role, "content": _text_of(message.get("content"), i)})
+    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        turns = [{"role": message.role, "content": message.text()} for message in messages]
         tokenizer = self.coordinator.tokenizer
         if not tokenizer.chat_template:
             raise ApiError(400, "the model's tokenizer has no chat template: use /v1/completions", param="messages")
@@ -287,29 +327,6 @@ def openai_app(frontend: OpenAIFrontend) -> FastAPI:
         return {"status": "ok"}
 
     return app
-
-
-def _set(request, name: str, value, kind: type, param: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"{param} must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=param)
-    if name in ("seed", "top_k") and value < 0:
-        raise ApiError(400, f"{param} must be >= 0, got {value}", param=param)
-    if name == "max_new_tokens" and not 0 < value < 2**31:
-        raise ApiError(400, f"{param} must be >= 1, got {value}", param=param)
-    setattr(request, name, kind(value))
-
-
-def _text_of(content, index: int) -> str:
-    """A message's text: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
 def _usage(completion: Completion, generated: int) -> dict:
