@@ -44,3 +44,8 @@ def test_every_cited_file_exists(page):
 def test_pages_speak_of_the_project_not_its_history(page):
     found = sorted({m.group(0) for m in HISTORY.finditer(page.read_text())})
     assert not found, f"{page.name} names work sessions or numbered runs (history lives in git): {found}"
+
+
+def test_the_readme_stays_short():
+    """What it is, the two commands, the architecture, the APIs, configuration, results; the rest in docs/."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
