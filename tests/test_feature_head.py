@@ -22,7 +22,8 @@ from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.config import build_dataclass
 from specdec.serving.rpc import MeasuredClient
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
-from specdec.train.feature_head import FeatureHeadConfig, run_feature_head, unrolled
+from specdec.train.feature_head import FeatureHeadConfig, run_feature_head
+from specdec.train.unroll import unrolled, unrolled_loss
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 from tests.conftest import local_stack, service_pair, tiny_config
 from tests.test_distill import assert_resumes_after_kill, tiny_prompts  # noqa: F401 (a fixture)
@@ -316,7 +317,6 @@ def test_batched_samples_equal_the_one_at_a_time_path(tiny_dirs, tiny_verifier, 
     from specdec.train.feature_head import (
         _continue,
         _generate,
-        _loss,
         _self_instruct,
         _teacher_pass,
         _text_chunks,
@@ -350,7 +350,7 @@ def test_batched_samples_equal_the_one_at_a_time_path(tiny_dirs, tiny_verifier, 
     # A position whose verifier puts no mass on the draft vocabulary pulls nowhere (no NaN).
     head = FeatureHead.from_verifier(tiny_verifier, LAYERS, VOCAB)
     silent = dataclasses.replace(batched[0], target_probs=torch.zeros_like(batched[0].target_probs))
-    assert torch.isfinite(_loss(head, [silent, batched[1]], 3))
+    assert torch.isfinite(unrolled_loss(head, [silent, batched[1]], 3))
 
 
 def test_cost_curve_times_the_verifier_where_the_drafter_is_a_head(tiny_dirs, head_dir):
