@@ -451,13 +451,13 @@ class PairSession:
                     continue
                 transient = err.code() in _TRANSIENT
                 out_of_time = self.deadline is not None and time.monotonic() + backoff_s > self.deadline
-                if transient and replicas.name == "verifier" and (retries == max_retries or out_of_time):
-                    # No request can go on without it; the caller learns that, not this side's addresses.
-                    log.warning("verifier replica %s does not answer: %s %s", key, err.code().name, err.details())
-                    raise ServiceError(
-                        err.code(), f"no verifier replica answers ({retries} retries): the verifier is down or restarting; retry later"
-                    ) from err
                 if not transient or retries == max_retries or out_of_time:
+                    if transient and replicas.name == "verifier":
+                        # No request can go on without it; the caller learns that, not this side's addresses.
+                        log.warning("verifier replica %s does not answer: %s %s", key, err.code().name, err.details())
+                        raise ServiceError(
+                            err.code(), f"no verifier replica answers ({retries} retries): the verifier is down or restarting; retry later"
+                        ) from err
                     raise
                 replicas.failed(key)
                 time.sleep(backoff_s)

@@ -9,20 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
+from specdec.serving.rpc import free_port
 
 PORTS = {name: free_port() for name in ("drafter", "verifier", "coordinator")}
 

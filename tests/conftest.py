@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from specdec.serving.config import config_from_dict
+from specdec.serving.rpc import free_port  # noqa: F401 - the tests import it from here
 from tests.tiny_models import build_model_dir, build_perturbed_copy
 
 # Hypothesis draws new examples every run ("dev", the default); HYPOTHESIS_PROFILE=ci draws the
@@ -44,12 +44,6 @@ def tiny_verifier(tiny_dirs):
     from specdec.core.models import ModelSpec, load_model
 
     return load_model(ModelSpec(str(tiny_dirs["verifier"])))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from specdec.serving.rpc import free_port
 
 PLACEMENT = {"coordinator": "coordinator_node", "verifier": "verifier_node", "drafter": "drafter_node"}
 # `ray start --head` turns token auth on; every process of the cluster, the driver included, must say so.
 RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "token"}
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_port(host: str = "localhost") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _run(*args: str, namespace: str | None = None) -> None:

@@ -8,6 +8,7 @@ import inspect
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -92,6 +93,13 @@ def reports_errors(method: Callable) -> Callable:
             abort(context, err)
 
     return wrapper
+
+
+def free_port(host: str = "localhost") -> int:
+    """A TCP port free on `host` now, for a server the caller starts next (tests, the local cluster)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def start_server(
