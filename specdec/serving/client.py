@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from specdec.serving.rpc import open_channel
+from specdec.serving.rpc import open_channel, trusting
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -28,7 +28,7 @@ class CoordinatorClient:
     def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None):
         """`token`: a bearer token, for a server with coordinator.auth set; `root_certificates`:
         PEM the server's TLS certificate is checked against (None = plaintext)."""
-        self.channel = open_channel(address, root_certificates)
+        self.channel = open_channel(address, trusting(root_certificates))
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 

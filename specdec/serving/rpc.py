@@ -250,16 +250,27 @@ def serve_until_terminated(server: grpc.Server) -> NoReturn:
     os._exit(0)
 
 
-def open_channel(address: str, root_certificates: bytes | None = None) -> grpc.Channel:
-    """A channel to `address`: TLS checked against `root_certificates` when given, else plaintext."""
-    if root_certificates is None:
-        return grpc.insecure_channel(address, options=message_options())
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=message_options())
+def open_channel(
+    address: str, credentials: grpc.ChannelCredentials | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES, server_name: str = "",
+) -> grpc.Channel:
+    """A channel to `address`: TLS with `credentials` (the certificate checked for `server_name`
+    where given, else for the host dialed), or plaintext without them."""
+    options = message_options(max_message_bytes)
+    if credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def trusting(root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    """Credentials that check a server's certificate against `root_certificates` (PEM); None = plaintext."""
+    return None if root_certificates is None else grpc.ssl_channel_credentials(root_certificates)
 
 
 def wait_until_serving(address: str, timeout_s: float, service: str = "", root_certificates: bytes | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    with open_channel(address, root_certificates) as channel:
+    with open_channel(address, trusting(root_certificates)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -295,13 +306,10 @@ class MeasuredClient:
 
     def __init__(self, address: str, service: str, token: str = "", max_message_bytes: int = MAX_MESSAGE_BYTES, tls=None):
         self.address = address
-        options = message_options(max_message_bytes)
-        if tls is not None and tls.enabled:
-            if tls.server_name:
-                options.append(("grpc.ssl_target_name_override", tls.server_name))
-            self.channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
-        else:
-            self.channel = grpc.insecure_channel(address, options=options)
+        secure = tls is not None and tls.enabled
+        self.channel = open_channel(
+            address, tls.channel_credentials() if secure else None, max_message_bytes, tls.server_name if secure else ""
+        )
         self._service = service
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._methods: dict[str, Callable] = {}
