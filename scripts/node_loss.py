@@ -77,13 +77,10 @@ def main() -> None:
     args = parser.parse_args()
 
     with LocalCluster({"coordinator_node": 1}) as cluster:  # before Ray is imported
-        import ray
-
         from specdec.serving.client import CoordinatorClient, generate_request
         from specdec.v1 import common_pb2
 
-        for resource in ("verifier_node", "drafter_node"):
-            cluster.start_node(resource)
+        cluster.start_service_nodes()
         client_address = cluster.deploy({"config_file": args.config} if args.config else {}, free_port())
         client = CoordinatorClient(client_address)
         health = Health(client_address)
@@ -164,7 +161,6 @@ def main() -> None:
         }
         result["health_changes"] = [(round(t - health.changes[0][0], 2), s) for t, s in health.changes]
         client.close()
-        ray.shutdown()
     print(json.dumps(result, indent=2))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

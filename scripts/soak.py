@@ -22,9 +22,6 @@ import grpc
 from specdec.bench.cluster import LocalCluster
 from specdec.core.prompts import evaluation_split, load_prompts
 from specdec.serving.client import CoordinatorClient, generate_request
-from specdec.serving.rpc import MeasuredClient
-from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
-from specdec.v1 import common_pb2
 
 BAD_REQUESTS = [
     generate_request(""),
@@ -42,10 +39,8 @@ def service_state(app: str = "specdec") -> dict:
     from ray import serve
 
     state = {}
-    for name, service in (("Drafter", DRAFTER_SERVICE), ("Verifier", VERIFIER_SERVICE)):
-        client = MeasuredClient(serve.get_deployment_handle(name, app_name=app).address.remote().result(), service)
-        info, _ = client.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo)
-        client.close()
+    for name in ("Drafter", "Verifier"):
+        info = serve.get_deployment_handle(name, app_name=app).info.remote().result()  # over the replica's own link
         state[name.lower()] = {
             "sessions": info.active_sessions, "kv_cache_mib": round(info.kv_cache_mib, 1), "resident_mib": round(info.resident_mib, 1)
         }
@@ -139,20 +134,30 @@ def main() -> None:
     parser.add_argument("--out", default="docs/benchmarks/soak.json")
     args = parser.parse_args()
 
-    cluster = LocalCluster({"coordinator_node": 1}).__enter__() if args.cluster else None  # before Ray is imported
-    import ray
+    if args.cluster:
+        with LocalCluster({"coordinator_node": 1}) as cluster:  # entered before Ray is imported
+            cluster.start_service_nodes()
+            ok = run_soak(args, cluster.deploy({}, 50051))
+    else:
+        import ray
 
-    from specdec.serving.launch import start_stack, stop_stack
+        from specdec.serving.launch import start_stack, stop_stack
 
-    address = args.address
-    if cluster is not None:
-        for resource in ("verifier_node", "drafter_node"):
-            cluster.start_node(resource)
-        address = cluster.deploy({}, 50051)
-    elif address is None:
-        address = start_stack({}, 50051)
-    elif not ray.is_initialized():
-        ray.init(address="auto")
+        if args.address is None:
+            try:
+                ok = run_soak(args, start_stack({}, 50051))
+            finally:
+                stop_stack()
+        else:
+            if not ray.is_initialized():
+                ray.init(address="auto")
+            ok = run_soak(args, args.address)
+    raise SystemExit(0 if ok else 1)
+
+
+def run_soak(args, address: str) -> bool:
+    """Runs the soak against the coordinator at `address` and writes its report; whether it
+    ended with no unexpected error and no session left."""
     prompts = [row["prompt"] for row in evaluation_split(load_prompts(), args.num_prompts)]
     soak = Soak(address, prompts, args.max_new_tokens, args.minutes * 60)
     soak.prepare()
@@ -188,12 +193,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    if cluster is not None:
-        cluster.__exit__(None, None, None)
-    elif args.address is None:
-        stop_stack()
-    ok = not soak.unexpected and report["sessions_left"] == 0
-    raise SystemExit(0 if ok else 1)
+    return not soak.unexpected and report["sessions_left"] == 0
 
 
 if __name__ == "__main__":

@@ -25,8 +25,7 @@ PLACEMENT = {"Coordinator": "coordinator_node", "Verifier": "verifier_node", "Dr
 @pytest.fixture(scope="module")
 def cluster():
     with LocalCluster({"coordinator_node": 1}) as cluster:
-        for resource in ("verifier_node", "drafter_node"):
-            cluster.start_node(resource)
+        cluster.start_service_nodes()
         yield cluster
 
 

@@ -47,8 +47,8 @@ class LocalCluster:
     def __init__(self, head_resources: dict[str, float], isolated: bool | None = None):
         self.isolated = can_isolate() if isolated is None else isolated
         self.head_resources = head_resources
-        tag = os.getpid() % 10000
-        self._bridge, self._subnet = f"sdbr{tag}", f"10.{77 + tag // 250}.{tag % 250}"
+        self._tag = os.getpid() % 10000  # names and a subnet of this process's own
+        self._bridge, self._subnet = f"sdbr{self._tag}", f"10.{77 + self._tag // 250}.{self._tag % 250}"
         self._namespaces: dict[str, tuple[str, str]] = {}  # resource -> (namespace, address)
         self.head_ip = f"{self._subnet}.1" if self.isolated else "127.0.0.1"
         self.address = ""
@@ -73,6 +73,9 @@ class LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():  # leave before the cluster goes: a driver left behind aborts
+            ray.shutdown()
         subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=180, env=RAY_ENV)
         if self.isolated:
             for namespace, _ in self._namespaces.values():
@@ -99,12 +102,15 @@ class LocalCluster:
              f'--resources={{"{resource}": 1}}', "--disable-usage-stats", namespace=namespace)
         return ip
 
+    def start_service_nodes(self) -> None:
+        """A worker node for each model service, advertising its resource (PLACEMENT)."""
+        for section in ("verifier", "drafter"):
+            self.start_node(PLACEMENT[section])
+
     def _namespace(self, resource: str) -> tuple[str, str]:
         if resource not in self._namespaces:
             index = len(self._namespaces) + 1
-            namespace, host_end, ip = (
-                f"sdns{os.getpid() % 10000}n{index}", f"sdv{os.getpid() % 10000}n{index}", f"{self._subnet}.{10 + index}"
-            )
+            namespace, host_end, ip = f"sdns{self._tag}n{index}", f"sdv{self._tag}n{index}", f"{self._subnet}.{10 + index}"
             _run("ip", "netns", "add", namespace)
             _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", namespace)
             _run("ip", "link", "set", host_end, "master", self._bridge, "up")

@@ -91,13 +91,19 @@ class ModelReplica(GrpcReplica):
         threading.Thread(target=run, name="replica-announce", daemon=True).start()
         self._stop_announcing = stop
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metric: the sessions this replica holds (none where it runs
-        no model: a coordinator whose services are all remote)."""
+    def info(self) -> common_pb2.ModelInfo | None:
+        """The service's own Info, asked by this replica over its own link (TLS included): tools
+        on the driver hold no certificate of the links inside. None where it runs no model (a
+        coordinator whose services are all remote)."""
         if not hasattr(self, "_own"):
-            return {}
+            return None
         info, _ = self._own.call("Info", common_pb2.InfoRequest(), common_pb2.ModelInfo, timeout=5)
-        return {"sessions": float(info.active_sessions)}
+        return info
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric: the sessions this replica holds."""
+        info = self.info()
+        return {} if info is None else {"sessions": float(info.active_sessions)}
 
     def __del__(self):
         """Serve stops this replica: leave the directory first, so coordinators move their
