@@ -22,12 +22,14 @@ from specdec.serving.sessions import SessionStore, check_context, check_kv_room
 
 class DrafterEngine:
     """Serves one drafter. `ngram_methods`: the n-gram proposers its drafts may use (hybrid,
-    staged, model-free), shared so that they learn from every session's output."""
+    staged, model-free), shared so that they learn from every session's output; each session
+    indexes its context for n-grams of up to `max_ngram` tokens."""
 
-    def __init__(self, drafter: Drafter, ngram_methods: dict[str, NgramProposer], source: str, limits: LimitsConfig = LimitsConfig()):
+    def __init__(
+        self, drafter: Drafter, ngram_methods: dict[str, NgramProposer], max_ngram: int, source: str, limits: LimitsConfig = LimitsConfig()
+    ):
         self.drafter, self.info, self.source, self.limits = drafter, drafter.info, source, limits
-        self.ngram_methods = ngram_methods
-        self.max_ngram = next(iter(ngram_methods.values())).settings.max_ngram
+        self.ngram_methods, self.max_ngram = ngram_methods, max_ngram
         self.sessions: SessionStore[DrafterSession] = SessionStore(
             limits.max_sessions, limits.session_ttl_s, int(limits.max_kv_mib * 2**20), lambda session: drafter.state_bytes(session.state)
         )

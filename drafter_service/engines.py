@@ -47,4 +47,4 @@ def drafter_for(
                 staged_lookahead, OwnChoices(memory) if staged_lookahead and memory else None,
             )
         drafter = HybridDrafter(inner, methods, settings.method or "none")
-    return DrafterEngine(drafter, methods, spec.source, limits)
+    return DrafterEngine(drafter, methods, settings.max_ngram, spec.source, limits)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from specdec.serving.config import build_dataclass
+from specdec.serving.config import parse
 from specdec.train.distill import DistillConfig, run_distill
 
 VARIANTS = [
@@ -36,7 +36,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         if args.samples_from and not (out / "samples.pt").exists():
             shutil.copy(Path(args.samples_from) / "samples.pt", out / "samples.pt")
-        cfg = build_dataclass(DistillConfig, {**base, "divergence": divergence, "data": data, "steps": args.steps, "out": str(out)}, "")
+        cfg = parse(DistillConfig, {**base, "divergence": divergence, "data": data, "steps": args.steps, "out": str(out)})
         report = run_distill(cfg)
         rows.append({
             "divergence": divergence, "data": data, "steps": args.steps, "before": report["before"], "after": report["after"],

@@ -15,7 +15,7 @@ import torch
 
 from specdec.core.models import ModelSpec, hf_greedy, load_model
 from specdec.serving.client import CoordinatorClient, generate_request
-from specdec.serving.config import ConfigError, build_dataclass
+from specdec.serving.config import ConfigError, parse
 from specdec.train.distill import DistillConfig, run_distill
 from specdec.train.divergences import divergence
 from tests.conftest import local_stack
@@ -56,11 +56,11 @@ def test_jsd_beta_and_zero_probabilities():
 
 def test_recipe_validation():
     with pytest.raises(ConfigError, match="divergence"):
-        build_dataclass(DistillConfig, {"divergence": "l2"}, "")
+        parse(DistillConfig, {"divergence": "l2"})
     with pytest.raises(ConfigError, match="data"):
-        build_dataclass(DistillConfig, {"data": "web"}, "")
+        parse(DistillConfig, {"data": "web"})
     with pytest.raises(ConfigError, match="unknown key stepz"):
-        build_dataclass(DistillConfig, {"stepz": 3}, "")
+        parse(DistillConfig, {"stepz": 3})
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def tiny_recipe(tiny_dirs, tiny_prompts, out: Path, **overrides) -> DistillConfi
         eval_tokens=12, checkpoint_every=20, draft_vocab=10, out=str(out), dtype="float32",
     )
     base.update(overrides)
-    return build_dataclass(DistillConfig, base, "")
+    return parse(DistillConfig, base)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from specdec.core.models import ModelSpec, hf_greedy, load_model
 from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree, TreeShape
 from specdec.serving.client import CoordinatorClient, generate_request
-from specdec.serving.config import build_dataclass
+from specdec.serving.config import parse
 from specdec.serving.rpc import MeasuredClient
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
 from specdec.train.feature_head import FeatureHeadConfig, run_feature_head
@@ -258,7 +258,7 @@ def tiny_recipe(tiny_dirs, prompts: Path, out: Path, vocab_dir: Path, **override
         lr=3e-3, eval_prompts=12, eval_tokens=12, checkpoint_every=20, out=str(out), dtype="float32",
     )
     base.update(overrides)
-    return build_dataclass(FeatureHeadConfig, base, "")
+    return parse(FeatureHeadConfig, base)
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,10 @@ def test_coordinator_measures_the_injected_latency(tiny_dirs):
 
 @pytest.mark.parametrize(
     "link,phrase",
-    [({"rtt_ms": -1}, "coordinator.network.drafter.rtt_ms"), ({"bandwidth_mbps": "fast"}, "bandwidth_mbps must be float")],
+    [
+        ({"rtt_ms": -1}, "coordinator.network.drafter.rtt_ms"),
+        ({"bandwidth_mbps": "fast"}, "coordinator.network.drafter.bandwidth_mbps must be a valid number"),
+    ],
 )
 def test_bad_link_settings_are_refused(link, phrase):
     with pytest.raises(ConfigError, match=phrase):

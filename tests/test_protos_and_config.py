@@ -38,8 +38,8 @@ def test_default_config_is_the_builtin_pair():
     [
         ({"verifer": {}}, "unknown key verifer"),
         ({"drafter": {"model": {"sorce": "x"}}}, "unknown key drafter.model.sorce"),
-        ({"coordinator": {"port": "fast"}}, "coordinator.port must be int"),
-        ({"coordinator": {"port": 70000}}, "coordinator.port must be in"),
+        ({"coordinator": {"port": "fast"}}, "coordinator.port must be a valid integer"),
+        ({"coordinator": {"port": 70000}}, "coordinator.port must be less than or equal to 65535"),
         ({"coordinator": {"num_draft_tokens": -1}}, "num_draft_tokens"),
         ({"coordinator": {"default_max_new_tokens": 5000}}, "default_max_new_tokens"),
         ({"verifier": {"model": {"dtype": "int4"}}}, "verifier.model.dtype must be one of float32"),
@@ -51,7 +51,7 @@ def test_default_config_is_the_builtin_pair():
         ({"coordinator": {"tree": {"branching": [2, 0]}}}, "coordinator.tree branching"),
         ({"coordinator": {"tree": {"width": 0}}}, "coordinator.tree width"),
         ({"coordinator": {"tree": {"depth": 3}}}, "unknown key coordinator.tree.depth"),
-        ({"limits": {"max_sessions": 0}}, "limits.max_sessions must be > 0"),
+        ({"limits": {"max_sessions": 0}}, "limits.max_sessions must be greater than 0"),
         ({"limits": {"max_kv_mib": 100.0}}, "limits.max_session_kv_mib must be <= limits.max_kv_mib"),
         ({"limits": {"max_draft_tokens": 40}, "coordinator": {"tree": {"width": 41}}}, r"coordinator.tree width must be in \[1, 40\]"),
         ({"limits": {"max_draft_tokens": 20}}, r"adaptive budgets must be in \[1, 20\]"),  # the default tree budgets reach 32

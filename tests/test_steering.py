@@ -24,7 +24,7 @@ from specdec.core.steering import (
     vector_to_tensor_fields,
 )
 from specdec.serving.client import CoordinatorClient, generate_request
-from specdec.serving.config import ConfigError, build_dataclass, config_from_dict
+from specdec.serving.config import ConfigError, config_from_dict, parse
 from specdec.train.distill import DistillConfig, run_distill
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.conftest import local_stack, service_pair
@@ -175,7 +175,7 @@ def steering_runs(steer_dirs, tmp_path_factory):
             teacher_samples_per_prompt=2, batch_size=8, steps=40, lr=3e-3, eval_prompts=15, eval_tokens=12,
             checkpoint_every=20, draft_vocab=0, data="teacher", out=str(root / out), dtype="float32",
         )
-        return build_dataclass(DistillConfig, base | overrides, "")
+        return parse(DistillConfig, base | overrides)
 
     joint = run_distill(recipe("joint", steering=True, exclude_categories=["c"]))
     plain = run_distill(recipe("plain"))
@@ -222,9 +222,9 @@ def test_steering_only_training_keeps_the_drafter_frozen_and_lowers_the_loss(ste
 
 def test_recipe_refuses_inconsistent_steering_settings():
     with pytest.raises(ConfigError, match="steering_only needs steering"):
-        build_dataclass(DistillConfig, {"steering_only": True}, "")
+        parse(DistillConfig, {"steering_only": True})
     with pytest.raises(ConfigError, match="3 verifier layers"):
-        build_dataclass(DistillConfig, {"steering": True, "steering_layers": [1, 2]}, "")
+        parse(DistillConfig, {"steering": True, "steering_layers": [1, 2]})
 
 
 # Through the services.

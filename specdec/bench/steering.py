@@ -71,6 +71,7 @@ def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeSh
                 "drafter": {"model": {"source": drafter}},
                 "steering_checkpoint": steered if i == 0 else "",
             }
+            # One after the other: the second stack replaces the first under the same app name.
             address = start_stack(stack_args, port, proxies=False) if i == 0 else deploy(stack_args, port)
             client = CoordinatorClient(address, server_token(config))
             client.generate(generate_request(prompt="Hi", max_new_tokens=8, steering=i == 0))  # warm-up

@@ -3,13 +3,16 @@ validated at load with errors that name the offending key."""
 from __future__ import annotations
 
 import dataclasses
-import types
+import functools
+import json
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 from specdec.core.engine import WEIGHT_FORMATS
 from specdec.core.feature_head import is_feature_head
@@ -28,26 +31,43 @@ class ConfigError(ValueError):
     pass
 
 
-@dataclass
+# Every settings class (these and the training recipes) is a pydantic dataclass built with
+# `settings`: unknown keys are refused, and strict types keep a quoted "8" from passing as 8.
+settings = functools.partial(dataclass, config=ConfigDict(extra="forbid", strict=True))
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+Replicas = Annotated[int, Field(ge=1)]
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+def _model_spec(value: Any) -> Any:
+    return {"source": value} if isinstance(value, str) else value
+
+
+Model = Annotated[ModelSpec, BeforeValidator(_model_spec)]  # "model: NAME" is short for {source: NAME}
+
+
+@settings
 class ServiceConfig:
-    model: ModelSpec
+    model: Model
     host: str = "0.0.0.0"
-    port: int = 0  # 0 = any free port (the coordinator finds it)
-    torch_threads: int = 0  # 0 = one per core
+    port: Port = 0  # 0 = any free port (the coordinator finds it)
+    torch_threads: Annotated[int, Field(ge=0)] = 0  # 0 = one per core
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
-    num_replicas: int = 1  # Ray Serve replicas, when not autoscaling
+    num_replicas: Replicas = 1  # Ray Serve replicas, when not autoscaling
     # Ray Serve autoscaling_config ({} = num_replicas, fixed). The sessions a replica holds drive
     # it with policy {policy_function: specdec.serving.autoscaling:SessionsPolicy} (deploy/serve.yaml).
     autoscaling: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@settings
 class DrafterConfig(ServiceConfig):
     # One thread: its tiny forwards barely gain from a second, and on a machine it shares with
     # the verifier an idle OpenMP worker of its own spins on the core the verifier needs next
     # (chain-4 through Ray Serve on 2 cores: 38-51 -> 55-67 tokens/s).
     torch_threads: int = 1
-    proposal_top_k: int = 32  # support size of the sparse proposal sent with sampled drafts
+    proposal_top_k: PositiveInt = 32  # support size of the sparse proposal sent with sampled drafts
     # model: prompt-lookup or suffix drafts without a model; with a model, ngram.method adds
     # n-gram candidates to its drafts (hybrid).
     ngram: NgramSettings = field(default_factory=NgramSettings)
@@ -56,38 +76,38 @@ class DrafterConfig(ServiceConfig):
     staged_lookahead: int = 0
 
 
-@dataclass
+@settings
 class VerifierConfig(ServiceConfig):
     """The verifier's settings (what one call may ask of it is in `limits`)."""
 
     # Prompt prefixes kept for sessions that start alike (a system prompt, a repeated prompt):
     # their keys and values are copied, not computed again. Native engine only; 0 = none.
-    prefix_cache_mib: float = 256.0
+    prefix_cache_mib: Annotated[float, Field(ge=0)] = 256.0
 
 
-@dataclass
+@settings
 class LimitsConfig:
     """Every bound on what a request or a service may take, in one place: past one, a call is
     refused (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) before any heavy work."""
 
-    max_draft_tokens: int = MAX_DRAFT_NODES  # draft tree nodes per round; also caps tree width, branching and depth
-    max_tree_nodes: int = 256  # nodes of a tree sent straight to the verifier in one call
-    max_fused_tokens: int = 64  # tokens one verifier-only call may ask for
-    max_new_tokens: int = 2048  # per request
-    max_concurrent_requests: int = 32  # at the coordinator; more at once get RESOURCE_EXHAUSTED, not a queue
-    max_stop_strings: int = 16  # per request
-    max_stop_string_chars: int = 256  # per stop string
-    max_sessions: int = 64  # KV caches each service keeps; the least recently used is evicted
-    session_ttl_s: float = 600.0  # a session idle this long is dropped
-    max_kv_mib: float = 4096.0  # KV cache memory of all sessions of a service; past it the least recently used are evicted
-    max_session_kv_mib: float = 1024.0  # one session's KV cache; a call growing it past this gets RESOURCE_EXHAUSTED
-    max_request_mib: float = 4.0  # a client's request message (a prompt within the context is far smaller)
+    max_draft_tokens: PositiveInt = MAX_DRAFT_NODES  # draft tree nodes per round; also caps tree width, branching and depth
+    max_tree_nodes: PositiveInt = 256  # nodes of a tree sent straight to the verifier in one call
+    max_fused_tokens: PositiveInt = 64  # tokens one verifier-only call may ask for
+    max_new_tokens: PositiveInt = 2048  # per request
+    max_concurrent_requests: PositiveInt = 32  # at the coordinator; more at once get RESOURCE_EXHAUSTED, not a queue
+    max_stop_strings: Annotated[int, Field(ge=0)] = 16  # per request
+    max_stop_string_chars: PositiveInt = 256  # per stop string
+    max_sessions: PositiveInt = 64  # KV caches each service keeps; the least recently used is evicted
+    session_ttl_s: PositiveFloat = 600.0  # a session idle this long is dropped
+    max_kv_mib: PositiveFloat = 4096.0  # KV cache memory of all sessions of a service; past it the least recently used are evicted
+    max_session_kv_mib: PositiveFloat = 1024.0  # one session's KV cache; a call growing it past this gets RESOURCE_EXHAUSTED
+    max_request_mib: PositiveFloat = 4.0  # a client's request message (a prompt within the context is far smaller)
     # A message between the services; the largest are a re-opened session's verifier features
     # (context x hidden size x 2 bytes: 9 MiB for the default pair at its full 8k context).
-    max_message_mib: float = 64.0
+    max_message_mib: PositiveFloat = 64.0
 
 
-@dataclass
+@settings
 class NetworkConfig:
     """Emulated links between the coordinator and each service (latency_proxy.py); all
     zero = direct connections."""
@@ -96,7 +116,7 @@ class NetworkConfig:
     verifier: LinkSettings = field(default_factory=LinkSettings)
 
 
-@dataclass
+@settings
 class AdaptiveConfig:
     """The cost-model budget controller (coordinator/budget.py)."""
 
@@ -105,13 +125,13 @@ class AdaptiveConfig:
     enabled: bool = True
     chain_budgets: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     tree_budgets: list[int] = field(default_factory=lambda: [16, 32])
-    tree_method: str = "rsd-s"  # shaped by coordinator.tree's branching/width
+    tree_method: Literal[TREE_METHODS] = "rsd-s"  # shaped by coordinator.tree's branching/width
     hybrid_budgets: list[int] = field(default_factory=list)  # chains with n-gram candidates merged in
-    hybrid_ngram: str = "suffix"  # the n-gram method of those plans
-    revisit_every: int = 64  # every this many rounds, the plan measured longest ago is tried again
+    hybrid_ngram: Literal[NGRAM_METHODS] = "suffix"  # the n-gram method of those plans
+    revisit_every: Annotated[int, Field(ge=2)] = 64  # every this many rounds, the plan measured longest ago is tried again
 
 
-@dataclass
+@settings
 class AuthConfig:
     """Bearer tokens the client API accepts (`authorization: Bearer <token>`); none = open."""
 
@@ -136,7 +156,7 @@ class AuthConfig:
         return tokens
 
 
-@dataclass
+@settings
 class TlsConfig:
     """TLS on the client gRPC API: a PEM certificate and its key; none = plaintext."""
 
@@ -157,7 +177,7 @@ class TlsConfig:
         return _read("coordinator.tls.ca_file", self.ca_file or self.cert_file)
 
 
-@dataclass
+@settings
 class ServiceTlsConfig:
     """TLS on the links between the coordinator and the services (PEM files, or PEM text inline);
     none = plaintext, which suits a single node only (on a cluster `specdec serve --ray-address`
@@ -215,13 +235,13 @@ def _read(key: str, path: str) -> bytes:
         raise ValueError(f"{key}: cannot read {path}: {err.strerror}") from None
 
 
-@dataclass
+@settings
 class CoordinatorConfig:
     host: str = "0.0.0.0"
-    port: int = 50051
+    port: Port = 50051
     num_draft_tokens: int = 4  # the speculation budget per round: draft tree nodes
     tree: TreeShape = field(default_factory=TreeShape)  # how the drafter spends the budget
-    fused_block_tokens: int = 8  # tokens per call when the verifier generates alone
+    fused_block_tokens: PositiveInt = 8  # tokens per call when the verifier generates alone
     default_max_new_tokens: int = 128  # limits.max_new_tokens caps what a request may ask
     request_timeout_s: float = 120.0
     # Where the services listen when run without Ray (host:port); under Ray Serve the
@@ -242,12 +262,12 @@ class CoordinatorConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     service_tls: ServiceTlsConfig = field(default_factory=ServiceTlsConfig)  # the links to the drafter and verifier
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
-    num_replicas: int = 1  # Ray Serve replicas; they share the client port (SO_REUSEPORT)
+    num_replicas: Replicas = 1  # Ray Serve replicas; they share the client port (SO_REUSEPORT)
     # Ray Serve autoscaling_config ({} = num_replicas), on the requests through Serve's proxies
     autoscaling: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@settings
 class Config:
     # int8 by measurement on CPU (docs/engine.md): with the native kernels a verifier step is
     # about 5x faster than float32 transformers, a drafter step about 6x. The drafter: the
@@ -287,16 +307,11 @@ class Config:
         return args
 
     def __post_init__(self):
+        """The checks that relate keys to each other (each key's own range is in its type)."""
         limits = self.limits
         checks = [
-            (getattr(limits, f.name) > 0, f"limits.{f.name} must be > 0")
-            for f in dataclasses.fields(limits) if f.name != "max_stop_strings"
-        ]
-        checks += [
-            (limits.max_stop_strings >= 0, "limits.max_stop_strings must be >= 0"),
             (limits.max_draft_tokens <= limits.max_tree_nodes, "limits.max_draft_tokens must be <= limits.max_tree_nodes"),
             (limits.max_session_kv_mib <= limits.max_kv_mib, "limits.max_session_kv_mib must be <= limits.max_kv_mib"),
-            (self.coordinator.fused_block_tokens >= 1, "coordinator.fused_block_tokens must be >= 1"),
             (
                 self.coordinator.fused_block_tokens <= limits.max_fused_tokens,
                 "coordinator.fused_block_tokens must be <= limits.max_fused_tokens",
@@ -313,8 +328,6 @@ class Config:
                 0 <= self.coordinator.num_draft_tokens <= limits.max_draft_tokens,
                 f"coordinator.num_draft_tokens must be in [0, {limits.max_draft_tokens}] (limits.max_draft_tokens; 0 = verifier only)",
             ),
-            (0 <= self.coordinator.port < 65536, "coordinator.port must be in [0, 65535]"),
-            (self.drafter.proposal_top_k >= 1, "drafter.proposal_top_k must be >= 1"),
             (
                 all(
                     1 <= b <= limits.max_draft_tokens
@@ -323,23 +336,10 @@ class Config:
                 ),
                 f"coordinator.adaptive budgets must be in [1, {limits.max_draft_tokens}] (limits.max_draft_tokens)",
             ),
-            (
-                self.coordinator.adaptive.tree_method in TREE_METHODS,
-                f"coordinator.adaptive.tree_method must be one of {', '.join(TREE_METHODS)}",
-            ),
-            (
-                self.coordinator.adaptive.hybrid_ngram in NGRAM_METHODS,
-                f"coordinator.adaptive.hybrid_ngram must be one of {', '.join(NGRAM_METHODS)}",
-            ),
-            (self.coordinator.adaptive.revisit_every >= 2, "coordinator.adaptive.revisit_every must be >= 2"),
-            (self.coordinator.num_replicas >= 1, "coordinator.num_replicas must be >= 1"),
-            (self.verifier.prefix_cache_mib >= 0, "verifier.prefix_cache_mib must be >= 0 (0 = no prefix cache)"),
         ]
         for name in ("drafter", "verifier"):
             service = getattr(self, name)
             checks += [
-                (0 <= service.port < 65536, f"{name}.port must be in [0, 65535]"),
-                (service.num_replicas >= 1, f"{name}.num_replicas must be >= 1"),
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
                 (service.model.dtype in WEIGHT_FORMATS, f"{name}.model.dtype must be one of {', '.join(WEIGHT_FORMATS)}"),
                 (
@@ -408,55 +408,46 @@ def _check_autoscaling(name: str, settings: dict) -> None:
         raise ConfigError(f"{name}.autoscaling is not a valid Ray Serve autoscaling_config: {err}") from None
 
 
-def build_dataclass(cls, data: Any, path: str):
-    """Builds dataclass `cls` from parsed YAML, refusing unknown keys and wrong types with the key's path."""
-    if dataclasses.is_dataclass(cls):
-        if isinstance(data, str) and cls is ModelSpec:
-            data = {"source": data}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            raise ConfigError(f"unknown key {path + '.' if path else ''}{unknown[0]}; allowed: {', '.join(fields)}")
-        hints = typing.get_type_hints(cls)
-        kwargs = {k: build_dataclass(hints[k], v, f"{path + '.' if path else ''}{k}") for k, v in data.items()}
-        missing = [
-            n for n, f in fields.items()
-            if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]
-        if missing:
-            raise ConfigError(f"missing key {path + '.' if path else ''}{missing[0]}")
-        try:
-            return cls(**kwargs)
-        except TypeError as err:
-            raise ConfigError(f"{path or 'config'}: {err}") from None
-    origin = typing.get_origin(cls)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(cls)
-        if data is None and type(None) in options:
-            return None
-        return build_dataclass(next(o for o in options if o is not type(None)), data, path)
-    if origin is list:
-        if not isinstance(data, list):
-            raise ConfigError(f"{path} must be a list")
-        (item,) = typing.get_args(cls)
-        return [build_dataclass(item, v, f"{path}[{i}]") for i, v in enumerate(data)]
-    if origin is dict:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must be a mapping")
-        return dict(data)
-    if cls is float and isinstance(data, (int, float)) and not isinstance(data, bool):
-        return float(data)
-    if cls in (int, str, bool) and (type(data) is cls):
-        return data
-    raise ConfigError(f"{path} must be {cls.__name__}, got {data!r}")
+def parse(cls, data: Any, path: str = ""):
+    """Settings class `cls` built from parsed YAML; unknown keys, wrong types and values out of
+    range raise ConfigError naming the key's path (under `path`)."""
+    try:  # as JSON: pydantic's strict mode takes mappings for nested settings only from JSON
+        return _adapter(cls).validate_json(json.dumps(data, default=str))
+    except ValidationError as err:
+        raise ConfigError(_describe(cls, err.errors()[0], path)) from None
+
+
+@functools.cache
+def _adapter(cls) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+def _describe(cls, error: dict, path: str) -> str:
+    """One readable line for pydantic's first error: the key's path, what it must be, what it was."""
+    keys = [path] if path else []
+    keys += [f"[{k}]" if isinstance(k, int) else k for k in error["loc"]]
+    where = ".".join(keys).replace(".[", "[")
+    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        allowed = ", ".join(f.name for f in dataclasses.fields(_class_at(cls, error["loc"][:-1])))
+        return f"unknown key {where}; allowed: {allowed}"
+    if error["type"] == "value_error":  # a check of our own, whose message names its keys
+        message = str(error["ctx"]["error"])
+        return f"{where}: {message}" if where else message
+    message = error["msg"].replace("Input should be", "must be").replace("an object", "a mapping")
+    return f"{where or 'the config'} {message}, got {error['input']!r}"
+
+
+def _class_at(cls, keys: tuple) -> type:
+    """The settings class found at `keys` below `cls`."""
+    for key in keys:
+        cls = typing.get_type_hints(cls)[key]
+        cls = next((a for a in typing.get_args(cls) if dataclasses.is_dataclass(a)), cls)  # X | None
+    return cls
 
 
 def config_from_dict(data: dict | None, base: Config | None = None) -> Config:
     """Builds a Config from a mapping; keys it does not set keep their defaults (or `base`)."""
-    merged = _merge(dataclasses.asdict(base or Config()), data or {})
-    return build_dataclass(Config, merged, "")
+    return parse(Config, _merge(dataclasses.asdict(base or Config()), data or {}))
 
 
 def load_config(path: str | Path | None) -> Config:

@@ -18,14 +18,13 @@ import dataclasses
 import json
 import random
 import time
-from collections import Counter
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from specdec.core.drafter_checkpoint import (
     build_student,
@@ -47,21 +46,20 @@ from specdec.core.prompts import (
 from specdec.core.steering import (
     DrafterSteering,
     VerifierSteering,
-    cycled_offsets,
     default_layers,
-    gather_steering,
-    round_offsets,
     sample_offsets,
     save_steering,
 )
-from specdec.serving.config import ConfigError
+from specdec.serving.config import ConfigError, PositiveInt, settings
+from specdec.train.agreement import SteeringPair, evaluate, steered
 from specdec.train.divergences import DIVERGENCES, divergence
 from specdec.train.files import Checkpoint, load_or_make, train_step, warmup_then_linear
+from specdec.train.samples import Sample, batch_tensors, draft_vocab, generate_samples, sample_continuations
 
 DATA_MODES = ("teacher", "on-policy", "mixed")
 
 
-@dataclass
+@settings
 class DistillConfig:
     verifier: str = BUILTIN_SMOLLM2
     init_layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
@@ -70,214 +68,36 @@ class DistillConfig:
     student_model: str | None = None
     share_embeddings: bool = True  # reuse the verifier's embeddings and head, frozen, not stored
     draft_vocab: int = 8192  # predict only the N most frequent teacher tokens; 0 = all
-    data: str = "mixed"
-    divergence: str = "fkl"
-    jsd_beta: float = 0.5
+    data: Literal[DATA_MODES] = "mixed"
+    divergence: Literal[DIVERGENCES] = "fkl"
+    jsd_beta: Annotated[float, Field(gt=0, lt=1)] = 0.5
     prompts: str = str(PACKAGED_PROMPTS)
     exclude_categories: list[str] = field(default_factory=list)  # left out of training (an out-of-distribution check)
-    sample_tokens: int = 96  # length of each teacher / student sample
-    max_prompt_tokens: int = 256  # longer prompts (long summarisation / RAG contexts) are left out
+    sample_tokens: PositiveInt = 96  # length of each teacher / student sample
+    max_prompt_tokens: PositiveInt = 256  # longer prompts (long summarisation / RAG contexts) are left out
     teacher_samples_per_prompt: int = 2
-    generation_batch: int = 16
-    batch_size: int = 8
-    steps: int = 300
+    generation_batch: PositiveInt = 16
+    batch_size: PositiveInt = 8
+    steps: PositiveInt = 300
     lr: float = 3e-4
-    eval_prompts: int = 26
-    eval_tokens: int = 64
-    checkpoint_every: int = 20
+    eval_prompts: PositiveInt = 26
+    eval_tokens: PositiveInt = 64
+    checkpoint_every: PositiveInt = 20
     seed: int = 0
     out: str = "runs/drafter"
     dtype: str = "float16"  # how the student's weights are stored
     steering: bool = False  # SD²: train the steering projections with the drafter
     steering_only: bool = False  # SD²: train only the projections, over a frozen drafter
     steering_layers: list[int] = field(default_factory=list)  # verifier layers read (empty = ~10%, 50%, 95%)
-    steering_max_offset: int = 4  # k: position t is steered from verifier position t - o, o ~ U{1..k}
+    steering_max_offset: PositiveInt = 4  # k: position t is steered from verifier position t - o, o ~ U{1..k}
 
     def __post_init__(self):
         if self.steering_only and not self.steering:
             raise ConfigError("steering_only needs steering: true")
         if self.steering_layers and len(self.steering_layers) != 3:
             raise ConfigError(f"steering_layers must name 3 verifier layers, got {self.steering_layers}")
-        if self.steering_max_offset < 1:
-            raise ConfigError("steering_max_offset must be >= 1")
-        if self.data not in DATA_MODES:
-            raise ConfigError(f"data must be one of {', '.join(DATA_MODES)}, got '{self.data}'")
-        if self.divergence not in DIVERGENCES:
-            raise ConfigError(f"divergence must be one of {', '.join(DIVERGENCES)}, got '{self.divergence}'")
-        if not 0 < self.jsd_beta < 1:
-            raise ConfigError("jsd_beta must be in (0, 1)")
         if not self.init_layers and not self.student_model:
             raise ConfigError("give init_layers or student_model")
-        for name in (
-            "sample_tokens", "max_prompt_tokens", "batch_size", "steps", "eval_prompts", "eval_tokens", "checkpoint_every",
-            "generation_batch",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
-
-
-Sample = tuple[list[int], list[int]]  # (prompt ids, continuation ids)
-
-
-def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
-@torch.inference_mode()
-def sample_continuations(
-    model, prompts: list[list[int]], max_new: int, eos: set[int], pad: int, generator: torch.Generator,
-    greedy: bool = False, vocab_ids: torch.Tensor | None = None,
-) -> list[list[int]]:
-    """Batched sampling at T=1 (or greedy) with a KV cache. Works for students whose head
-    covers only vocab_ids."""
-    ids, mask = _left_pad(prompts, pad)
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    steps = []
-    for _ in range(max_new):
-        logits = out.logits[:, -1].float()
-        index = logits.argmax(-1) if greedy else torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
-        tokens = index if vocab_ids is None else vocab_ids[index]
-        steps.append(tokens)
-        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
-        positions = positions[:, -1:] + 1
-        out = model(
-            input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
-        )
-    generated = torch.stack(steps, dim=1).tolist()
-    return [_cut_at_eos(g, eos) for g in generated]
-
-
-def _generate_samples(model, tokenizer, prompts, per_prompt, cfg, eos, generator, desc, greedy=False, vocab_ids=None) -> list[Sample]:
-    jobs = [p for p in prompts for _ in range(per_prompt)]
-    samples: list[Sample] = []
-    for start in tqdm(range(0, len(jobs), cfg.generation_batch), desc=desc, unit="batch"):
-        batch = jobs[start : start + cfg.generation_batch]
-        outs = sample_continuations(
-            model, batch, cfg.sample_tokens if not greedy else cfg.eval_tokens, eos, tokenizer.pad_token_id or 0, generator, greedy,
-            vocab_ids,
-        )
-        samples += [(p, o) for p, o in zip(batch, outs) if o]
-    return samples
-
-
-def _batch_tensors(samples: list[Sample], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, attention mask, and the mask of positions whose next token is a
-    continuation token (where a drafter drafts)."""
-    seqs = [p + c for p, c in samples]
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    loss_mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for row, (p, c) in enumerate(samples):
-        loss_mask[row, len(p) - 1 : len(p) + len(c) - 1] = True
-    return ids, mask, loss_mask
-
-
-def _student_full_logp(student_logits: torch.Tensor, vocab_ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    logp = student_logits.float().log_softmax(-1)
-    if vocab_ids is None:
-        return logp
-    full = torch.full((*logp.shape[:-1], vocab), float("-inf"))
-    full[..., vocab_ids] = logp
-    return full
-
-
-@dataclass
-class SteeringPair:
-    verifier: VerifierSteering
-    drafter: DrafterSteering
-    max_offset: int
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.verifier.parameters()) + list(self.drafter.parameters())
-
-
-@contextmanager
-def _steered(steering: SteeringPair | None, hidden_states, mask: torch.Tensor, offsets: tuple[torch.Tensor, torch.Tensor] | None):
-    """Student forwards inside are steered by the teacher's hidden states, each position from
-    its offset source position (see steering.sample_offsets)."""
-    if steering is None:
-        yield
-        return
-    source, present = offsets
-    vectors = steering.verifier(hidden_states)
-    with steering.drafter.steer(gather_steering(vectors, source), present & mask.bool()):
-        yield
-
-
-@torch.inference_mode()
-def evaluate(
-    student, teacher, samples: list[Sample], pad: int, vocab_ids, steering: SteeringPair | None = None, depth: int = 4, batch: int = 8
-) -> dict:
-    """Agreement, acceptance and accepted tokens per verify call along teacher greedy text.
-    Steered, each position reads the vector from o = 1..k positions back, cycling, as in
-    rounds of k drafts. `by_offset` splits agreement and acceptance by o (for an unsteered
-    drafter, by the same cycle of positions, so the two compare): in a live round the first
-    drafts weigh most."""
-    agree, accept, positions = 0.0, 0.0, 0
-    cycle = steering.max_offset if steering else depth
-    by_offset = torch.zeros(3, cycle)  # agreement, acceptance, positions
-    accepted_per_call: list[int] = []
-    for start in range(0, len(samples), batch):
-        chunk = samples[start : start + batch]
-        ids, mask, loss_mask = _batch_tensors(chunk, pad)
-        out = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=steering is not None)
-        p_logp = out.logits.float().log_softmax(-1)
-        offsets = cycled_offsets(*ids.shape, steering.max_offset) if steering else None
-        with _steered(steering, out.hidden_states, mask, offsets):
-            q_logp = _student_full_logp(student(input_ids=ids, attention_mask=mask).logits, vocab_ids, p_logp.shape[-1])
-        matches = (p_logp.argmax(-1) == q_logp.argmax(-1)) & loss_mask
-        overlap = torch.minimum(p_logp.exp(), q_logp.exp()).sum(-1) * loss_mask
-        agree += float(matches.sum())
-        accept += float(overlap.sum())
-        positions += int(loss_mask.sum())
-        column_offset = round_offsets(ids.shape[1], cycle) - 1  # the offset each column was steered from, less one
-        for i, per_position in enumerate((matches.float(), overlap, loss_mask.float())):
-            by_offset[i].index_add_(0, column_offset, per_position.sum(0))
-        for row in range(len(chunk)):
-            hits = matches[row][loss_mask[row]].tolist()
-            t = 0
-            while t < len(hits):  # greedy rounds: drafts are accepted while they match
-                run = 0
-                while run < depth and t + run < len(hits) and hits[t + run]:
-                    run += 1
-                accepted_per_call.append(run)
-                t += run + 1
-    return {
-        "greedy_agreement": agree / positions,
-        "sampling_acceptance_t1": accept / positions,
-        f"accepted_per_verify_call_depth{depth}": sum(accepted_per_call) / len(accepted_per_call),
-        "positions": positions,
-        "by_offset": {
-            str(o + 1): {
-                "greedy_agreement": float(by_offset[0, o] / by_offset[2, o]),
-                "sampling_acceptance_t1": float(by_offset[1, o] / by_offset[2, o]),
-                "positions": int(by_offset[2, o]),
-            }
-            for o in range(cycle)
-            if by_offset[2, o] > 0
-        },
-    }
-
-
-def _draft_vocab(samples: list[Sample], size: int, must_have: set[int]) -> list[int] | None:
-    if size <= 0:
-        return None
-    counts = Counter(t for p, c in samples for t in p + c)
-    chosen = set(must_have) | {t for t, _ in counts.most_common(size)}
-    return sorted(chosen)[: max(size, len(must_have))] if len(chosen) > size else sorted(chosen)
 
 
 def sample_settings(cfg: DistillConfig) -> dict:
@@ -299,7 +119,7 @@ def _student(
         meta = read_meta(resolve_alias(cfg.student_model))
         vocab = getattr(student, "draft_vocab_ids", None)
         return student, meta["layers"], None if vocab is None else vocab.tolist(), meta["shared_embeddings"]
-    vocab_ids = _draft_vocab(teacher_samples, cfg.draft_vocab, eos)
+    vocab_ids = draft_vocab(teacher_samples, cfg.draft_vocab, eos)
     if cfg.student_model:
         student = load_model_weights_only(cfg.student_model, torch.float32)
         if load_tokenizer(cfg.student_model).get_vocab() != tokenizer.get_vocab():
@@ -340,10 +160,10 @@ def run_distill(cfg: DistillConfig) -> dict:
         out / "samples.pt",
         sample_settings(cfg),
         lambda: {
-            "teacher": _generate_samples(
+            "teacher": generate_samples(
                 teacher, tokenizer, train_prompts, cfg.teacher_samples_per_prompt, cfg, eos, generator, "teacher samples"
             ),
-            "eval": _generate_samples(teacher, tokenizer, eval_prompts, 1, cfg, eos, generator, "eval (teacher greedy)", greedy=True),
+            "eval": generate_samples(teacher, tokenizer, eval_prompts, 1, cfg, eos, generator, "eval (teacher greedy)", greedy=True),
         },
     )
     # Excluded categories are dropped here, after the cache, so recipes that differ only in
@@ -404,7 +224,7 @@ def run_distill(cfg: DistillConfig) -> dict:
             batch = [(p, c) for p, c in zip(prompts, conts) if c]
         else:
             batch = [teacher_samples[i] for i in prompts_or_samples]
-        ids, mask, loss_mask = _batch_tensors(batch, pad)
+        ids, mask, loss_mask = batch_tensors(batch, pad)
         with torch.no_grad():
             teacher_out = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=steering is not None)
             teacher_logits = teacher_out.logits
@@ -413,7 +233,7 @@ def run_distill(cfg: DistillConfig) -> dict:
             teacher_logp = teacher_logits.float().log_softmax(-1)[loss_mask]
         student.train()
         offsets = sample_offsets(mask.bool(), cfg.steering_max_offset, generator) if steering else None
-        with _steered(steering, teacher_out.hidden_states, mask, offsets):
+        with steered(steering, teacher_out.hidden_states, mask, offsets):
             student_logp = student(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)[loss_mask]
         loss = divergence(cfg.divergence, teacher_logp, student_logp, cfg.jsd_beta).mean()
         train_step(loss, trainable, optimizer, schedule)

@@ -25,10 +25,12 @@ import dataclasses
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from tqdm import tqdm
 from transformers import GenerationConfig
 
@@ -49,52 +51,44 @@ from specdec.core.prompts import (
     training_split,
 )
 from specdec.core.steering import default_layers
-from specdec.serving.config import ConfigError
+from specdec.serving.config import ConfigError, PositiveInt, settings
 from specdec.train.files import Checkpoint, atomic_save, load_or_make, train_step, warmup_then_linear
 from specdec.train.unroll import Sample, evaluate, unrolled_loss
 
 
-@dataclass
+@settings
 class FeatureHeadConfig:
     verifier: str = BUILTIN_SMOLLM2
     verifier_dtype: str = "int8"  # the weight format the verifier is served in: its features are what the head reads
     draft_vocab_from: str = BUILTIN_DRAFTER  # a directory with draft_vocab.json
     layers: list[int] = field(default_factory=list)  # verifier depths fused (empty = ~10%, 50%, 95%)
     prompts: str = str(PACKAGED_PROMPTS)
-    max_prompt_tokens: int = 256
-    sample_tokens: int = 96
-    samples_per_prompt: int = 2  # the first greedy, the others sampled at T=1
+    max_prompt_tokens: PositiveInt = 256
+    sample_tokens: PositiveInt = 96
+    samples_per_prompt: PositiveInt = 2  # the first greedy, the others sampled at T=1
     prompt_text: bool = True  # also the training prompts themselves, teacher-forced
-    text_chunk_tokens: int = 256
+    text_chunk_tokens: PositiveInt = 256
     weight_decay: float = 0.01
-    target_top_k: int = 32
-    unroll: int = 4
-    batch_size: int = 4
-    steps: int = 400
+    target_top_k: PositiveInt = 32
+    unroll: PositiveInt = 4
+    batch_size: PositiveInt = 4
+    steps: PositiveInt = 400
     lr: float = 1e-3
-    eval_prompts: int = 26
-    eval_tokens: int = 64
-    checkpoint_every: int = 20
+    eval_prompts: PositiveInt = 26
+    eval_tokens: PositiveInt = 64
+    checkpoint_every: PositiveInt = 20
     seed: int = 0
     dtype: str = "float16"
     out: str = "runs/feature_head"
     device: str = "cpu"  # "cuda": batched float32 samples and training on the GPU
-    self_instruct_prompts: int = 0  # prompts the verifier writes itself (Magpie), answered like the others
-    generation_batch: int = 256  # sequences generated at once (device: cuda)
+    self_instruct_prompts: Annotated[int, Field(ge=0)] = 0  # prompts the verifier writes itself (Magpie), answered like the others
+    generation_batch: PositiveInt = 256  # sequences generated at once (device: cuda)
 
     def __post_init__(self):
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be cpu or cuda[:N], got '{self.device}'")
-        if self.self_instruct_prompts < 0:
-            raise ConfigError("self_instruct_prompts must be >= 0")
         if self.layers and len(self.layers) != 3:
             raise ConfigError(f"layers must name 3 verifier depths, got {self.layers}")
-        for name in (
-            "max_prompt_tokens", "sample_tokens", "samples_per_prompt", "text_chunk_tokens", "target_top_k", "unroll", "batch_size",
-            "steps", "eval_prompts", "eval_tokens", "checkpoint_every", "generation_batch",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
 
 
 @torch.inference_mode()
