@@ -74,6 +74,18 @@ def local_source(source: str) -> str:
     return str(_converted_gguf_dir(directory, gguf_file)) if gguf_file else directory
 
 
+def gguf_layer_formats(source: str) -> set[str] | None:
+    """The GGUF block formats (Q4_1, Q4_K, ...) of a GGUF source's decoder-layer weight
+    matrices, or None for a source that is not a GGUF file."""
+    directory, gguf_file = resolve_source(source)
+    if not gguf_file:
+        return None
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(str(Path(directory) / gguf_file)).tensors
+    return {t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
 def resolve_alias(source: str) -> str:
     return str(_PACKAGED_DRAFTERS / source) if source in (BUILTIN_DRAFTER, BUILTIN_FEATURE_HEAD) else source
 

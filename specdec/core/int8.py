@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specdec.core.kernels import native
+from specdec.core.q4 import Q4Linear
 
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # the native layer's "no mask"
 _TINY = 1e-12  # the smallest scale: an all-zero row quantizes to zeros instead of NaN
@@ -94,21 +95,28 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_linears(module: torch.nn.Module, input_ranges: dict[str, torch.Tensor] | None = None, prefix: str = "") -> None:
+def quantize_linears(
+    module: torch.nn.Module, input_ranges: dict[str, torch.Tensor] | None = None, block_format: str | None = None, prefix: str = ""
+) -> None:
     """Replaces every torch.nn.Linear under `module` by an Int8Linear, in place, smoothed by
-    `input_ranges` (qualified module name -> per-channel input range) where given."""
+    `input_ranges` (qualified module name -> per-channel input range) where given; with a
+    `block_format` (q4_0, q4_1), those of the decoder layers by a Q4Linear instead (the LM
+    head stays int8: GGUF files keep it at 8 bits too)."""
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
         if isinstance(child, torch.nn.Linear):
-            setattr(module, name, Int8Linear.from_linear(child, (input_ranges or {}).get(qualified)))
+            in_layers = block_format and ".layers." in f".{qualified}"
+            replaced = Q4Linear.from_linear(child, block_format) if in_layers else Int8Linear.from_linear(child, (input_ranges or {}).get(qualified))
+            setattr(module, name, replaced)
         else:
-            quantize_linears(child, input_ranges, f"{qualified}.")
+            quantize_linears(child, input_ranges, block_format, f"{qualified}.")
 
 
 def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
     """One layer computing several linears of the same input side by side (q|k|v, gate|up)."""
-    if all(isinstance(p, Int8Linear) for p in parts):
-        return Int8Linear.side_by_side(parts)
+    for kind in (Int8Linear, Q4Linear):
+        if all(isinstance(p, kind) for p in parts):
+            return kind.side_by_side(parts)
     bias = parts[0].bias is not None
     fused = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias, dtype=parts[0].weight.dtype)
     fused.weight.data = torch.cat([p.weight.detach() for p in parts])
@@ -118,15 +126,14 @@ def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
 
 
 class NativeLayer:
-    """A Llama decoder layer with int8 weights run whole by one call of the native kernel:
+    """A Llama decoder layer with int8 or 4-bit block weights run whole by one call of the native kernel:
     norms, fused q|k|v, rotary, batch-invariant attention over a transposed-key cache, o,
     fused gate|up, down, both residuals. Writes the new keys and values into the cache."""
 
-    def __init__(self, input_norm, qkv: Int8Linear, o: Int8Linear, post_norm, gate_up: Int8Linear, down: Int8Linear, eps: float):
+    def __init__(self, input_norm, qkv, o, post_norm, gate_up, down, eps: float):
         empty = torch.empty(0)
         norms = [n.weight.detach().float().contiguous() for n in (input_norm, post_norm)]
-        parts = [[m.packed, m.sums, m.scale, empty if m.bias is None else m.bias, empty if m.smoothing is None else m.smoothing]
-                 for m in (qkv, o, gate_up, down)]
+        parts = [_native_tensors(m, empty) for m in (qkv, o, gate_up, down)]
         self.weights = native().LayerWeights(
             [norms[0], *parts[0], *parts[1], norms[1], *parts[2], *parts[3]], [m.out_features for m in (qkv, o, gate_up, down)], eps
         )
@@ -139,13 +146,23 @@ class NativeLayer:
         (T, head_dim). Returns the layer's output (T, H): each row exactly what its sequence
         alone would give."""
         masks = [_CAUSAL if m is None else m for m in masks]
-        return native().int8_decoder_layer(x, self.weights, cos, sin, keys, values, starts, counts, masks, heads, up_delta)
+        return native().native_decoder_layer(x, self.weights, cos, sin, keys, values, starts, counts, masks, heads, up_delta)
+
+
+def _native_tensors(linear, empty: torch.Tensor) -> list[torch.Tensor]:
+    """A linear's five tensors as the native layer reads them (Int8Layer, Q4Layer)."""
+    bias = empty if linear.bias is None else linear.bias
+    if isinstance(linear, Q4Linear):
+        return [linear.packed, bias, empty, empty, empty]
+    return [linear.packed, linear.sums, linear.scale, bias, empty if linear.smoothing is None else linear.smoothing]
 
 
 def native_layer(input_norm, qkv, o, post_norm, gate_up, down, eps: float) -> NativeLayer | None:
-    """The layer for the native kernel, or None where it does not apply (weights not int8,
-    no kernels, not on the CPU)."""
+    """The layer for the native kernel, or None where it does not apply (weights neither all
+    int8 nor all 4-bit blocks, no kernels, not on the CPU)."""
     linears = (qkv, o, gate_up, down)
-    if native() is None or not all(isinstance(m, Int8Linear) and m.kernels is not None and m.weight.device.type == "cpu" for m in linears):
+    if native() is None or not any(all(isinstance(m, kind) for m in linears) for kind in (Int8Linear, Q4Linear)):
+        return None
+    if not all(m.kernels is not None and m.packed.device.type == "cpu" for m in linears):
         return None
     return NativeLayer(input_norm, qkv, o, post_norm, gate_up, down, eps)

@@ -15,11 +15,12 @@ from specdec.core.drafter_checkpoint import (
     is_drafter_checkpoint,
     load_drafter,
 )
-from specdec.core.engine import torch_dtype
+from specdec.core.engine import QUANTIZED, torch_dtype
+from specdec.core.q4 import Q4_FORMATS
 from specdec.core.int8 import quantize_linears
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
-from specdec.core.hub import load_model_weights_only, local_source, resolve_alias
+from specdec.core.hub import gguf_layer_formats, load_model_weights_only, local_source, resolve_alias
 from specdec.core.prompts import calibration_ids
 from specdec.core.tree import DraftTree, verification_inputs
 
@@ -49,6 +50,8 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     """The model in eval mode, with logits over the whole vocabulary (a distilled drafter with a
     reduced draft vocabulary gives -inf outside it), its weights in the format `spec.dtype`
     names (specdec/core/engine.py)."""
+    if spec.dtype in Q4_FORMATS:
+        _check_block_format(spec)
     dtype = torch_dtype(spec.dtype)
     source = resolve_alias(spec.source)
     if is_drafter_checkpoint(source):
@@ -57,10 +60,21 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         model = load_model_weights_only(spec.source, dtype)
     if spec.layers is not None:
         truncate_layers(model, spec.layers)
-    if spec.dtype == "int8":
+    if spec.dtype in QUANTIZED:
         calibration = calibration_ids(load_tokenizer(spec.source), max_context(model))
-        quantize_linears(model, input_ranges(model.eval(), calibration))
+        quantize_linears(model, input_ranges(model.eval(), calibration), None if spec.dtype == "int8" else spec.dtype)
     return model.to(spec.device).eval()
+
+
+def _check_block_format(spec: ModelSpec) -> None:
+    """A GGUF file is served 4-bit only in the block format its layers are stored in, so that
+    its blocks stay as they are (any other model is quantized to blocks at load)."""
+    stored = gguf_layer_formats(spec.source)
+    if stored is not None and stored != {spec.dtype.upper()}:
+        raise UnsupportedModel(
+            f"{spec.source} stores its layers as {', '.join(sorted(stored))}; dtype {spec.dtype} keeps a GGUF's "
+            f"{spec.dtype.upper()} blocks as they are and takes no other format (int8 and float32 read any)"
+        )
 
 
 def input_ranges(model: torch.nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from specdec.core.engine import WEIGHT_FORMATS
+from specdec.core.engine import QUANTIZED, WEIGHT_FORMATS
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
 from specdec.core.hub import BUILTIN_FEATURE_HEAD, BUILTIN_SMOLLM2
@@ -343,8 +343,8 @@ class Config:
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
                 (service.model.dtype in WEIGHT_FORMATS, f"{name}.model.dtype must be one of {', '.join(WEIGHT_FORMATS)}"),
                 (
-                    service.model.dtype != "int8" or service.model.device == "cpu",
-                    f"{name}.model.dtype int8 runs on the CPU; on {service.model.device} use bfloat16",
+                    service.model.dtype not in QUANTIZED or service.model.device == "cpu",
+                    f"{name}.model.dtype {service.model.dtype} runs on the CPU; on {service.model.device} use bfloat16",
                 ),
             ]
         for ok, message in checks:

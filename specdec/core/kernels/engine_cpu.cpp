@@ -435,6 +435,237 @@ torch::Tensor int8_linear(torch::Tensor x, c10::optional<torch::Tensor> smoothin
   return out;
 }
 
+// 4-bit block weights as GGUF's Q4_0 and Q4_1 hold them: along K, blocks of 32 weights
+// w = d q + m with q in [0, 15] and one float16 d and m per block and channel (Q4_0: m = -8 d).
+// Activations enter as int8 in blocks of 32 too, each block of a row with its own scale s, so
+//   sum_k x w = sum over blocks of (sum q xq) (d s) + m (s sum xq),
+// the integer sums exact and the float sum over a row's blocks taken in block order: a row's
+// result depends on that row alone.
+constexpr int64_t kQBlock = 32;       // weights per block along K
+constexpr int64_t kQNibbleBytes = 256;  // one block of 16 channels: 512 nibbles,
+constexpr int64_t kQBlockBytes = kQNibbleBytes + 2 * kBlock * 2;  // then their 16 d and 16 m, float16: one stream
+#if defined(__AVX512VNNI__) || !defined(__AVX2__)
+constexpr int kQRows = 8;  // rows a pass over the weights serves (their sums stay in registers)
+#else
+constexpr int kQRows = 2;
+#endif
+
+// One row's activations, quantized: xq (k_pad int8) and, per block, its scale s and s sum(xq):
+// s = max|x| / 127 over the block, xq = round(x / s), the operations of Q4Linear's torch path.
+void quantize_blocks(const float* x, int64_t k, int64_t k_pad, int8_t* xq, float* block_scales) {
+  for (int64_t b = 0; b * kQBlock < k_pad; ++b) {
+    const int64_t first = b * kQBlock, count = std::min<int64_t>(kQBlock, std::max<int64_t>(k - first, 0));
+#if defined(__AVX512F__)
+    const __m512 low = _mm512_maskz_loadu_ps(lanes_of(count), x + first);
+    const __m512 high = _mm512_maskz_loadu_ps(lanes_of(count - 16), x + first + 16);
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+    const float scale = std::max(largest, 1e-12f) / 127.f;
+    const __m512 divisor = _mm512_set1_ps(scale);
+    const auto quantized = [&](__m512 v) {
+      return _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    };
+    const __m512i q_low = quantized(low), q_high = quantized(high);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + first), _mm512_cvtepi32_epi8(q_low));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + first + 16), _mm512_cvtepi32_epi8(q_high));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high));
+#else
+    float block[kQBlock];
+    float largest = 0.f;
+    for (int64_t i = 0; i < kQBlock; ++i) {
+      block[i] = i < count ? x[first + i] : 0.f;
+      largest = std::max(largest, std::fabs(block[i]));
+    }
+    const float scale = std::max(largest, 1e-12f) / 127.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kQBlock; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(block[i] / scale));
+      xq[first + i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+#endif
+    block_scales[2 * b] = scale;
+    block_scales[2 * b + 1] = scale * static_cast<float>(sum);
+  }
+}
+
+// out[r][c] for R rows and the 16 channels of one channel block: the blocks along K in order,
+// each adding float(sum q xq) * (d s) and then m * (s sum xq).
+template <int R>
+void q4_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stride, const uint8_t* w, int64_t k_blocks, float* out) {
+#if defined(__AVX512VNNI__)
+  __m512 total[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < k_blocks; ++b) {
+    const uint8_t* wb = w + b * kQBlockBytes;
+    const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + kQNibbleBytes);
+    const c10::Half* m = d + kBlock;
+#pragma GCC unroll 5
+    for (int line = 0; line < 5; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kQBlockBytes + 64 * line), _MM_HINT_T0);
+    __m512i steps[8];  // step i: inputs 4i..4i+3 of the block for the 16 channels, one byte each
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512i packed = _mm512_loadu_si512(wb + i * 64);
+      steps[i] = _mm512_and_si512(packed, low_nibbles);
+      steps[i + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x + r * x_stride + b * kQBlock;
+      __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // two chains: half the latency
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        int32_t four;
+        std::memcpy(&four, xb + 4 * i, 4);
+        sums[i % 2] = _mm512_dpbusd_epi32(sums[i % 2], steps[i], _mm512_set1_epi32(four));
+      }
+      const float* s = xs + r * xs_stride + 2 * b;
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[0], sums[1]));
+      total[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dv, _mm512_set1_ps(s[0])), total[r]);
+      total[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(s[1]), total[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, total[r]);
+#elif defined(__AVX2__)
+  // vpmaddubsw: unsigned q times signed xq, pairs summed to int16 (at most 2 * 15 * 128: no
+  // saturation), then pairs of those to int32. Channels 0-7 and 8-15 in two halves.
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < k_blocks; ++b) {
+    const uint8_t* wb = w + b * kQBlockBytes;
+    const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + kQNibbleBytes);
+    const c10::Half* m = d + kBlock;
+    for (int line = 0; line < 5; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kQBlockBytes + 64 * line), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i steps[8];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32));
+        steps[i] = _mm256_and_si256(packed, low_nibbles);
+        steps[i + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + h * 8)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + h * 8)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = x + r * x_stride + b * kQBlock;
+        __m256i sums = _mm256_setzero_si256();
+        for (int i = 0; i < 8; ++i) {
+          int32_t four;
+          std::memcpy(&four, xb + 4 * i, 4);
+          sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(steps[i], _mm256_set1_epi32(four)), ones));
+        }
+        const float* s = xs + r * xs_stride + 2 * b;
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dv, _mm256_set1_ps(s[0])), total[r][h]);
+        total[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(s[1]), total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kBlock, total[r][0]);
+    _mm256_storeu_ps(out + r * kBlock + 8, total[r][1]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kBlock; ++c) {
+      float total = 0.f;
+      for (int64_t b = 0; b < k_blocks; ++b) {
+        int32_t sum = 0;
+        for (int i = 0; i < 8; ++i)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = w[b * kQBlockBytes + (i % 4) * 64 + c * 4 + j];
+            const int32_t q = i < 4 ? (byte & 0x0F) : (byte >> 4);
+            sum += q * static_cast<int32_t>(x[r * x_stride + b * kQBlock + 4 * i + j]);
+          }
+        const float* s = xs + r * xs_stride + 2 * b;
+        const c10::Half* d = reinterpret_cast<const c10::Half*>(w + b * kQBlockBytes + kQNibbleBytes);
+        total = std::fma(static_cast<float>(sum), static_cast<float>(d[c]) * s[0], total);
+        total = std::fma(static_cast<float>(d[kBlock + c]), s[1], total);
+      }
+      out[r * kBlock + c] = total;
+    }
+#endif
+}
+
+template <int R>
+void q4_some_rows(int rows, const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stride, const uint8_t* w, int64_t k_blocks,
+                  float* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return q4_some_rows<R - 1>(rows, x, x_stride, xs, xs_stride, w, k_blocks, out);
+  }
+  q4_rows<R>(x, x_stride, xs, xs_stride, w, k_blocks, out);
+}
+
+// A 4-bit block linear layer as Q4Linear holds it: blocks [N/16][K/32][kQBlockBytes] (512
+// nibbles, then 16 d and 16 m in float16) and an optional bias. The same calls as Int8Layer:
+// quantize the rows, then multiply (xq holds the int8 rows, scales each row's block scales).
+struct Q4Layer {
+  const uint8_t* packed;
+  const float* bias;
+  int64_t blocks, k_blocks, n;
+
+  Q4Layer(const torch::Tensor& packed_, const torch::Tensor& bias_, int64_t n_)
+      : packed(packed_.data_ptr<uint8_t>()), bias(bias_.defined() && bias_.numel() ? bias_.data_ptr<float>() : nullptr),
+        blocks(packed_.size(0)), k_blocks(packed_.size(1)), n(n_) {
+    TORCH_CHECK(packed_.dtype() == torch::kUInt8 && packed_.dim() == 3 && packed_.size(2) == kQBlockBytes, "bad packed 4-bit weights");
+  }
+
+  int64_t k_pad() const { return k_blocks * kQBlock; }
+
+  template <typename MakeRow>
+  void quantize(int64_t rows, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& scales) const {
+    TORCH_CHECK(k_pad() == round_up(k, kQBlock), "packed 4-bit weights do not match the input");
+    at_least(xq, rows * k_pad());
+    at_least(scales, rows * 2 * k_blocks);
+    at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+      std::vector<float> row(k);
+      for (int64_t r = first; r < last; ++r) {
+        make_row(r, row.data());
+        quantize_blocks(row.data(), k, k_pad(), reinterpret_cast<int8_t*>(xq.data()) + r * k_pad(), scales.data() + r * 2 * k_blocks);
+      }
+    });
+  }
+
+  void multiply(const std::vector<uint8_t>& xq, const std::vector<float>& scales, int64_t rows, float* out) const {
+    TORCH_CHECK(blocks * kBlock >= n, "packed 4-bit weights do not match the output");
+    const int8_t* x = reinterpret_cast<const int8_t*>(xq.data());
+    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      float sums[kQRows * kBlock];
+      const int64_t groups = (rows + kQRows - 1) / kQRows;
+      for (int64_t blk = first; blk < last; ++blk) {
+        const uint8_t* w = packed + blk * k_blocks * kQBlockBytes;
+        for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly, as Int8Layer does
+          const int count = static_cast<int>((rows - r0) / (groups - g));
+          q4_some_rows<kQRows>(count, x + r0 * k_pad(), k_pad(), scales.data() + r0 * 2 * k_blocks, 2 * k_blocks, w, k_blocks, sums);
+          for (int r = 0; r < count; ++r)
+            for (int64_t c = 0; c < kBlock && blk * kBlock + c < n; ++c) {
+              const int64_t col = blk * kBlock + c;
+              out[(r0 + r) * n + col] = bias ? sums[r * kBlock + c] + bias[col] : sums[r * kBlock + c];
+            }
+          r0 += count;
+        }
+      }
+    });
+  }
+};
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "q4_linear takes float32 [M, K]");
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), n}, torch::kFloat32);
+  const Q4Layer layer(packed, bias.value_or(torch::Tensor()), n);
+  std::vector<uint8_t> xq;
+  std::vector<float> scales;
+  const float* rows = x.data_ptr<float>();
+  const int64_t k = x.size(1);
+  layer.quantize(x.size(0), k, [&](int64_t r, float* row) { std::memcpy(row, rows + r * k, k * sizeof(float)); }, xq, scales);
+  layer.multiply(xq, scales, x.size(0), out.data_ptr<float>());
+  return out;
+}
+
 #if defined(__AVX512F__)
 // exp(x) for 16 lanes (Cody-Waite reduction, degree-6 polynomial; ~2 ulp). Each lane's result
 // depends on that lane's input only.
@@ -1062,7 +1293,7 @@ void swiglu(const float* gate, const float* up, const float* delta, int64_t n, f
 // (a few us) pays only for several.
 constexpr int64_t kRotaryGrain = 8;
 
-// The attention block of int8_decoder_layer after q|k|v (`projected`, rows `width` wide): rotary on
+// The attention block of native_decoder_layer after q|k|v (`projected`, rows `width` wide): rotary on
 // q and k, k and v written to each segment's cache, then every segment's attention into `attended`.
 template <typename T>
 void rotate_store_attend(float* projected, int64_t width, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -1116,7 +1347,7 @@ void rotate_store_attend(float* projected, int64_t width, const torch::Tensor& c
   attend(attention, heads, dim, kv_heads);
 }
 
-// A decoder layer's weights as int8_decoder_layer reads them, converted from Python once: a call
+// A decoder layer's weights as native_decoder_layer reads them, converted from Python once: a call
 // then passes one object instead of 22 tensors (converting them took ~15 us a layer, ~0.5 ms of
 // a one-token step). `weights`: norm_in, then qkv's (packed, sums, scale, bias, smoothing), o's,
 // norm_post, gate_up's, down's; `widths`: the four layers' output widths.
@@ -1131,11 +1362,11 @@ struct LayerWeights {
   }
 };
 
-// The largest buffer int8_decoder_layer keeps between calls: 4 MB of floats (a pass of ~340 rows
+// The largest buffer native_decoder_layer keeps between calls: 4 MB of floats (a pass of ~340 rows
 // of the default verifier; trees and batched steps stay far below).
 constexpr size_t kKeptElements = size_t(1) << 20;
 
-// One Llama-family decoder layer with int8 linears over T new tokens x [T, hidden]:
+// One Llama-family decoder layer with int8 or 4-bit block linears over T new tokens x [T, hidden]:
 //   x += o(attention(rotary(q, k), v)) with q|k|v = qkv(norm_in(x)), k and v written to the cache;
 //   x += down(silu(gate) * (up + delta)) with gate|up = gate_up(norm_post(x)),
 // the weights those of `layer`. The rows are segments, one per
@@ -1143,9 +1374,21 @@ constexpr size_t kKeptElements = size_t(1) << 20;
 // values[i]), attending under masks[i] ([counts[i], starts[i] + counts[i]] bool; empty = causal).
 // Every row's result depends on that row and its own cache alone, so sequences batched
 // together get exactly what each gets alone. Returns the new x.
-torch::Tensor int8_decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::Tensor cos, torch::Tensor sin,
-                                 std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> starts,
-                                 std::vector<int64_t> counts, std::vector<torch::Tensor> masks, int64_t heads, c10::optional<torch::Tensor> delta) {
+// A linear layer of a LayerWeights: its five tensors from index i (Int8Layer: packed, sums,
+// scale, bias, smoothing; Q4Layer: packed, bias, then three unused).
+template <typename Layer>
+Layer layer_linear(const std::vector<torch::Tensor>& weights, int i, int64_t width) {
+  if constexpr (std::is_same_v<Layer, Q4Layer>) {
+    return Q4Layer(weights[i], weights[i + 1], width);
+  } else {
+    return Int8Layer(weights[i], weights[i + 1], weights[i + 2], weights[i + 3], weights[i + 4], width);
+  }
+}
+
+template <typename Layer>
+torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::Tensor cos, torch::Tensor sin,
+                            std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> starts,
+                            std::vector<int64_t> counts, std::vector<torch::Tensor> masks, int64_t heads, c10::optional<torch::Tensor> delta) {
   const std::vector<torch::Tensor>& weights = layer.weights;
   const std::vector<int64_t>& widths = layer.widths;
   const double eps = layer.eps;
@@ -1168,8 +1411,8 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, const LayerWeights& layer, tor
     rows_total += counts[i];
   }
   TORCH_CHECK(rows_total == t, "the segments' counts must add up to the rows of x");
-  const auto linear = [&](int i, int64_t width) { return Int8Layer(weights[i], weights[i + 1], weights[i + 2], weights[i + 3], weights[i + 4], width); };
-  const Int8Layer qkv = linear(1, widths[0]), o = linear(6, widths[1]), gate_up = linear(12, widths[2]), down = linear(17, widths[3]);
+  const Layer qkv = layer_linear<Layer>(weights, 1, widths[0]), o = layer_linear<Layer>(weights, 6, widths[1]),
+              gate_up = layer_linear<Layer>(weights, 12, widths[2]), down = layer_linear<Layer>(weights, 17, widths[3]);
   const float* norm_in = weights[0].data_ptr<float>();
   const float* norm_post = weights[11].data_ptr<float>();
   const int64_t inner = widths[2] / 2;
@@ -1225,6 +1468,16 @@ torch::Tensor int8_decoder_layer(torch::Tensor x, const LayerWeights& layer, tor
   return out;
 }
 
+// One Llama-family decoder layer with int8 or 4-bit block linears (decoder_layer), by the
+// layer's packed weights: int8 for int8, uint8 nibbles for 4-bit blocks.
+torch::Tensor native_decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::Tensor cos, torch::Tensor sin,
+                                   std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> starts,
+                                   std::vector<int64_t> counts, std::vector<torch::Tensor> masks, int64_t heads,
+                                   c10::optional<torch::Tensor> delta) {
+  const auto run = layer.weights[1].dtype() == torch::kUInt8 ? &decoder_layer<Q4Layer> : &decoder_layer<Int8Layer>;
+  return run(x, layer, cos, sin, keys, values, starts, counts, masks, heads, delta);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -1239,5 +1492,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("int8_linear", &int8_linear, unlocked);
   module.def("attention", &attention, unlocked);
   py::class_<LayerWeights>(module, "LayerWeights").def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, double>());
-  module.def("int8_decoder_layer", &int8_decoder_layer, unlocked);
+  module.def("q4_linear", &q4_linear, unlocked);
+  module.def("native_decoder_layer", &native_decoder_layer, unlocked);
 }

@@ -1,0 +1,101 @@
+"""The 4-bit block weight formats (specdec/core/q4.py): GGUF's own blocks, rows that do not
+depend on the batch, and the native kernel against the torch ops. The engine's exactness tests
+(tree pass = one-token steps, batched sequences = each alone) run on q4_1 in test_engine.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.core.hub import BUILTIN_SMOLLM2, resolve_source
+from specdec.core.kernels import native
+from specdec.core.models import ModelSpec, UnsupportedModel, load_model
+from specdec.core.q4 import Q4_FORMATS, Q4Linear, dequantize_blocks, quantize_blocks, unpack
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr("specdec.core.q4.native", lambda: None)
+    elif native() is None:
+        pytest.fail("the native engine kernels did not build on this machine (see the log)")
+    return request.param
+
+
+@pytest.mark.parametrize("block_format", Q4_FORMATS)
+@pytest.mark.parametrize("shape", [(40, 32), (200, 576), (70, 100)])  # 100 inputs: a block padded with zeros
+def test_rows_do_not_depend_on_the_batch(block_format, shape, kernels):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(shape[1], shape[0])
+    layer = Q4Linear.from_linear(linear, block_format)
+    assert (layer.kernels is not None) == (kernels == "native")
+    x = torch.randn(19, shape[1]) * torch.logspace(-2, 2, 19)[:, None]  # rows of very different scales
+    together = layer(x)
+    assert torch.equal(together, torch.cat([layer(row[None]) for row in x]))
+    assert torch.equal(layer(x[3:11]), together[3:11])
+    q, d, m = quantize_blocks(linear.weight.detach(), block_format)
+    blocks = x @ dequantize_blocks(q, d, m)[:, : shape[1]].t() + linear.bias.detach()
+    assert ((together - blocks).norm(dim=1) / blocks.norm(dim=1)).max() < 0.02  # int8 activations in blocks of 32
+
+
+def test_the_native_kernel_computes_what_the_torch_ops_compute():
+    """The same integer sums and scales; the native kernel fuses its multiply-adds, so the
+    floats agree to rounding."""
+    if native() is None:
+        pytest.fail("the native engine kernels did not build on this machine (see the log)")
+    torch.manual_seed(1)
+    layer = Q4Linear.from_linear(torch.nn.Linear(1536, 200), "q4_1")
+    x = torch.randn(17, 1536)
+    assert torch.allclose(layer(x), layer._torch_forward(x), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("block_format", Q4_FORMATS)
+def test_blocks_pack_unpack_and_fuse(block_format):
+    torch.manual_seed(2)
+    parts = [torch.nn.Linear(64, n) for n in (48, 20, 20)]  # 20: channels padded to 16
+    layers = [Q4Linear.from_linear(p, block_format) for p in parts]
+    for part, layer in zip(parts, layers):
+        assert all(torch.equal(a, b) for a, b in zip(unpack(layer.packed, layer.out_features), quantize_blocks(part.weight, block_format)))
+    fused = Q4Linear.side_by_side(layers)
+    x = torch.randn(5, 64)
+    assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], dim=1))
+
+
+def test_a_block_of_equal_weights_and_an_all_zero_row():
+    weight = torch.zeros(16, 64)
+    weight[1] = 0.25
+    for block_format in Q4_FORMATS:
+        q, d, m = quantize_blocks(weight, block_format)
+        assert torch.equal(dequantize_blocks(q, d, m), weight)
+    layer = Q4Linear.from_linear(torch.nn.Linear(64, 16, bias=False), "q4_1")
+    assert torch.equal(layer(torch.zeros(2, 64)), torch.zeros(2, 16))
+
+
+@pytest.mark.e2e
+def test_the_default_gguf_blocks_are_served_as_the_file_stores_them():
+    """Quantizing the dequantized weights gives the file's own Q4_1 blocks back, bit for bit:
+    the q4_1 verifier is the file's model. (q and k are stored with their rows permuted for
+    llama.cpp's rotary; the other matrices are compared.)"""
+    from gguf import GGUFReader
+
+    directory, name = resolve_source(BUILTIN_SMOLLM2)
+    tensors = {t.name: t for t in GGUFReader(str(Path(directory) / name)).tensors}
+    model = load_model(ModelSpec(BUILTIN_SMOLLM2))
+    for gguf_name, module in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"),
+                              ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
+        stored = tensors[f"blk.7.{gguf_name}.weight"]
+        assert stored.tensor_type.name == "Q4_1"
+        raw = np.asarray(stored.data).view(np.uint8).reshape(-1, 20)  # a block: d, m (float16), 16 bytes of nibbles
+        weight = model.get_submodule(f"model.layers.7.{module}").weight.detach()
+        q, d, m = quantize_blocks(weight, "q4_1")
+        nibbles = torch.from_numpy(raw[:, 4:].copy())
+        assert torch.equal(q.view(-1, 32), torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1)), gguf_name  # weights j and 16 + j
+        assert torch.equal(d.view(-1), torch.from_numpy(raw[:, 0:2].copy().view(np.float16).reshape(-1)))
+        assert torch.equal(m.view(-1), torch.from_numpy(raw[:, 2:4].copy().view(np.float16).reshape(-1)))
+
+
+def test_a_gguf_is_served_4_bit_only_in_its_own_block_format():
+    with pytest.raises(UnsupportedModel, match="stores its layers as Q4_1; dtype q4_0 keeps a GGUF's Q4_0 blocks"):
+        load_model(ModelSpec(BUILTIN_SMOLLM2, dtype="q4_0"))
