@@ -105,9 +105,10 @@ def quantize_linears(
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
         if isinstance(child, torch.nn.Linear):
-            in_layers = block_format and ".layers." in f".{qualified}"
-            replaced = Q4Linear.from_linear(child, block_format) if in_layers else Int8Linear.from_linear(child, (input_ranges or {}).get(qualified))
-            setattr(module, name, replaced)
+            if block_format and ".layers." in f".{qualified}":
+                setattr(module, name, Q4Linear.from_linear(child, block_format))
+            else:
+                setattr(module, name, Int8Linear.from_linear(child, (input_ranges or {}).get(qualified)))
         else:
             quantize_linears(child, input_ranges, block_format, f"{qualified}.")
 
