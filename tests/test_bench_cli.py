@@ -1,5 +1,6 @@
 """`specdec bench` end to end on tiny models: the speed comparison over both placements with the
-oracle's rows, and a study mode (the cost curve) through the same command line."""
+oracle's rows, over two verifier weight formats, and the study modes (the cost curve, the
+weight formats' quality) through the same command line."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,29 @@ def test_bench_compares_both_placements_with_the_oracle_ceiling(bench_files):
         assert oracle["mean_accepted_per_round"] > 2.0 and oracle["round_anatomy"]["speculative"]["rounds"] > 0
     assert rows["hf_generate_fp32"]["greedy_matches_verifier_alone"] == 1.0  # the tiny pair runs float32 weights
     assert {"bench.png", "bench_anatomy.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.e2e
+def test_bench_compares_verifier_weight_formats_each_against_its_own_verifier_alone(bench_files):
+    common, tmp_path = bench_files
+    out = tmp_path / "formats.json"
+    assert main(["bench", *common, "--verifier-formats", "int8,q4_1", "--max-new-tokens", "8", "--budgets", "3", "--trees", "chain",
+                 "--out", str(out)]) == 0
+    rows = {row["name"]: row for row in json.loads(out.read_text())["results"]}
+    for dtype in ("int8", "q4_1"):
+        alone, speculative = rows[f"{dtype}/autoregressive"], rows[f"{dtype}/chain_b3"]
+        assert alone["verifier_dtype"] == speculative["verifier_dtype"] == dtype
+        assert speculative["greedy_matches_verifier_alone"] == 1.0 and speculative["round_anatomy"]["speculative"]["rounds"] > 0
+
+
+def test_bench_measures_the_weight_formats_quality(bench_files):
+    common, tmp_path = bench_files
+    out = tmp_path / "quality.json"
+    assert main(["bench", *common, "--weight-quality", "--weight-formats", "int8,q4_1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    rows = {row["format"]: row for row in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"int8", "q4_1"} and all(row["positions"] == 16 for row in rows.values())
+    assert all(0.5 < row["top1_agreement"] <= 1.0 and 0.0 <= row["kl_nats"] < 0.5 for row in rows.values())
+    assert (tmp_path / "quality.png").exists()
 
 
 def test_bench_runs_a_study_mode_and_writes_its_report(bench_files):

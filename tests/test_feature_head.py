@@ -354,18 +354,17 @@ def test_batched_samples_equal_the_one_at_a_time_path(tiny_dirs, tiny_verifier, 
 
 
 def test_cost_curve_times_the_verifier_where_the_drafter_is_a_head(tiny_dirs, head_dir):
-    """A feature head is no causal LM of its own: the cost curve times the verifier engines
-    and leaves the head's steps to the served bench (it used to try to load it from a hub)."""
+    """A feature head is no causal LM of its own: the cost curve times the verifier engines (a
+    row each per weight format asked for) and leaves the head's steps to the served bench."""
     from specdec.bench.cost import run_cost_curve
     from specdec.serving.config import config_from_dict
 
     config = config_from_dict(
         {"verifier": {"model": {"source": str(tiny_dirs["verifier"]), "dtype": "int8"}}, "drafter": {"model": str(head_dir)}}
     )
-    rows = run_cost_curve(config, [1, 5, 7, 3, 9, 4], [1, 3], repeats=1)
-    assert {(r["engine"], r["tokens"]) for r in rows} == {
-        (engine, k) for engine in ("served verifier (int8)", "float32 transformers verifier") for k in (1, 3)
-    }
+    rows = run_cost_curve(config, [1, 5, 7, 3, 9, 4], [1, 3], formats=["int8", "q4_1"], repeats=1)
+    engines = ("served verifier (int8)", "served verifier (q4_1)", "float32 transformers verifier")
+    assert {(r["engine"], r["tokens"]) for r in rows} == {(engine, k) for engine in engines for k in (1, 3)}
     assert all(r["model"] == "verifier" and r["verify_ms"] > 0 for r in rows)
     # each repetition's own T(k) / T(1): exactly 1 at k = 1, inside its interval everywhere
     assert all(r["paired_ratio_to_one_token"] == 1.0 for r in rows if r["tokens"] == 1)

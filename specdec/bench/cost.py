@@ -1,10 +1,11 @@
 """`specdec bench --cost-curve`: what one forward costs for k new tokens after a committed
-context, for the served engine and for float32 transformers, measured interleaved (every
+context, for the served engine (in each weight format asked for) and for float32 transformers, measured interleaved (every
 repetition visits every engine and k in turn, so a drift in machine speed hits all alike).
 The cost of k tokens relative to one is given both as a ratio of medians and as the geometric
 mean of each repetition's own T(k) / T(1) with its 95% interval."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -19,11 +20,14 @@ from specdec.core.feature_head import is_feature_head
 from specdec.core.models import ModelSpec, load_model
 
 
-def _engines(config) -> dict[str, tuple[str, object]]:
-    """name -> (role, engine): the served verifier, float32 transformers, and the served drafter
-    where it is a model."""
+def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]:
+    """name -> (role, engine): the served verifier (in each of `formats`, else in its own),
+    float32 transformers, and the served drafter where it is a model."""
     served = config.verifier.model
-    engines = {f"served verifier ({served.dtype})": ("verifier", engine_for(load_model(served), served.dtype))}
+    engines = {
+        f"served verifier ({dtype})": ("verifier", engine_for(load_model(dataclasses.replace(served, dtype=dtype)), dtype))
+        for dtype in formats or [served.dtype]
+    }
     if served.dtype != "float32":
         fp32 = ModelSpec(served.source, served.layers, "float32", served.device)
         engines["float32 transformers verifier"] = ("verifier", TransformersEngine(load_model(fp32)))
@@ -33,8 +37,8 @@ def _engines(config) -> dict[str, tuple[str, object]]:
     return engines
 
 
-def run_cost_curve(config, context_ids: list[int], tokens: list[int], repeats: int = 24) -> list[dict]:
-    engines = _engines(config)
+def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: list[str] | None = None, repeats: int = 24) -> list[dict]:
+    engines = _engines(config, formats)
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
         caches = {}

@@ -1,6 +1,6 @@
 """`specdec bench`: speed measured side by side in one run on the same prompts
 (specdec/bench/speed.py), or one of the studies a flag asks for: the verifier's cost curve,
-the steering ablation, many sessions at once, the network sweep. Each writes JSON and plots
+the weight formats' quality, the steering ablation, many sessions at once, the network sweep. Each writes JSON and plots
 and prints its tables."""
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "coordinator, coordinator.verifier_in_process: one link); with two, rows are named PLACEMENT/NAME and each is "
         "compared with the verifier alone in its own placement",
     )
+    parser.add_argument(
+        "--verifier-formats",
+        help="comma-separated weight formats of the verifier (int8, q4_1, ...), each in a stack of its own (default: the "
+        "config's); with two, rows are named FORMAT/NAME and each is compared with the verifier alone in its own format",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", help="YAML config for the stack (models, placement, speculation)")
     parser.add_argument("--port", type=int, default=50061, help="client port of the stack the bench starts")
@@ -64,6 +69,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--cost-curve", help="comma-separated new-token counts k, e.g. 1,2,3,5,9,17,33: forward time for k tokens after a committed context"
     )
     cost.add_argument("--cost-context", type=int, default=200, help="committed context length (tokens of the held-out prompts)")
+    cost.add_argument(
+        "--weight-formats",
+        help="comma-separated weight formats of the verifier, a row each in the cost curve or the quality study (default: the served one)",
+    )
+    quality = parser.add_argument_group("weight-format quality (instead of the method comparison)")
+    quality.add_argument(
+        "--weight-quality", action="store_true",
+        help="each of --weight-formats against float32 transformers, teacher-forced on float32's greedy continuation of each prompt: "
+        "top-1 agreement and KL(float32 || format)",
+    )
     network = parser.add_argument_group("network sweep (instead of the method comparison)")
     network.add_argument("--rtt-sweep", help="comma-separated round-trip times in ms to inject on both service links, e.g. 0,5,20,50,100")
     network.add_argument("--sweep-chains", default="1,2,4,8", help="fixed chain budgets of the sweep (also the adaptive candidates)")
@@ -111,14 +126,20 @@ def _study(args, setup: BenchSetup):
     """The study a flag asks for, as (run() -> report, write(report, path) -> files written,
     format(report) -> tables, its own config fields); None = the speed comparison."""
     config, budget, tree = setup.config, setup.budgets[0], setup.trees[0]
+    formats = args.weight_formats.split(",") if args.weight_formats else []
     if args.cost_curve:
         from specdec.bench import cost
 
         context = ([t for ids in setup.prompt_ids for t in ids] * args.cost_context)[: args.cost_context]
         tokens = [int(k) for k in args.cost_curve.split(",")]
-        return (lambda: {"results": cost.run_cost_curve(config, context, tokens)}, cost.write_cost_curve,
+        return (lambda: {"results": cost.run_cost_curve(config, context, tokens, formats)}, cost.write_cost_curve,
                 lambda report: cost.format_cost_curve(report["results"]),
                 {"cost_context": args.cost_context, "question_ids": setup.question_ids()})
+    if args.weight_quality:
+        from specdec.bench import quality
+
+        return (lambda: {"results": quality.run_weight_quality(config, setup.prompt_ids, formats, args.max_new_tokens)},
+                quality.write_quality, lambda report: quality.format_quality(report["results"]), {"question_ids": setup.question_ids()})
     if args.steering_ablation:
         from specdec.bench import steering
 

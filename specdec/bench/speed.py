@@ -136,9 +136,13 @@ def run_speed(args, setup: BenchSetup) -> int:
     temperatures, budgets, trees, shapes, placements = setup.temperatures, setup.budgets, setup.trees, setup.shapes, setup.placements
     entries = args.drafters.split(",") if args.drafters else [config.drafter.model.source]
     sources = list(dict.fromkeys(entry.split(":")[0] for entry in entries))
-    if args.address and (len(sources) > 1 or ORACLE in sources or len(placements) > 1):
+    formats = args.verifier_formats.split(",") if args.verifier_formats else [config.verifier.model.dtype]
+    # A stack variant: where the verifier runs and its weight format; rows of several are named VARIANT/NAME.
+    variants = [(placement, dtype) for placement in placements for dtype in formats]
+    if args.address and (len(sources) > 1 or ORACLE in sources or len(variants) > 1):
         raise SystemExit(
-            "--drafters with several drafters, the oracle, or several --placements start their own stacks; leave out --address"
+            "--drafters with several drafters, the oracle, several --placements or --verifier-formats start their own stacks; "
+            "leave out --address"
         )
     # The oracle's reference table: empty while the stacks start, then recorded through them.
     references = Path(args.out).resolve().with_name(Path(args.out).stem + "_oracle")
@@ -152,15 +156,17 @@ def run_speed(args, setup: BenchSetup) -> int:
         for source in sources
     }
     clients = {}
-    for j, (placement, source) in enumerate((p, s) for p in placements for s in sources):  # one stack each, side by side
+    for j, (variant, source) in enumerate((v, s) for v in variants for s in sources):  # one stack each, side by side
         # No prefix cache: every method decodes each prompt once, and a verifier that kept the
         # prompt's keys and values would prefill it only for the method that ran first.
+        placement, dtype = variant
         stack_args = {
             **app_args, "coordinator": {"port": args.port + j, "verifier_in_process": placement == COLOCATED},
-            "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1, references), "verifier": {"prefix_cache_mib": 0},
+            "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1, references),
+            "verifier": {"prefix_cache_mib": 0, "model": {**dataclasses.asdict(config.verifier.model), "dtype": dtype}},
         }
         address = args.address or start_beside(stack_args, args.port + j, j)
-        clients[placement, source] = CoordinatorClient(address, server_token(config))
+        clients[variant, source] = CoordinatorClient(address, server_token(config))
     verifier = load_model(config.verifier.model)
     assistant = args.hf_assistant or _hf_assistant(config.drafter.model.source)
     drafter = load_model(dataclasses.replace(config.drafter.model, source=assistant))
@@ -169,7 +175,7 @@ def run_speed(args, setup: BenchSetup) -> int:
 
     def through_services(
         i: int, budget: int | None, temperature: float, shape: TreeShape | None = None, entry: str | None = None, adaptive: bool = False,
-        max_new_tokens: int = args.max_new_tokens, placement: str = placements[0],
+        max_new_tokens: int = args.max_new_tokens, variant: tuple[str, str] = variants[0],
     ):
         source, _, option = (entry or sources[0]).partition(":")
         request = generate_request(
@@ -183,7 +189,7 @@ def run_speed(args, setup: BenchSetup) -> int:
             **({"steering": False} if option == "unsteered" else {}),
         )
         start = time.perf_counter()
-        response = clients[placement, source].generate(request)
+        response = clients[variant, source].generate(request)
         return response, time.perf_counter() - start
 
     def in_process(i: int, model, assisted: bool, temperature: float, prompt_lookup: bool = False):
@@ -203,24 +209,25 @@ def run_speed(args, setup: BenchSetup) -> int:
             )
         return out[0, inputs.shape[1] :].tolist(), time.perf_counter() - start
 
-    # (name, placement, method, drafter, tree, budget, runner(prompt index, temperature) -> service response or token ids, seconds)
+    # (name, variant, method, drafter, tree, budget, runner(prompt index, temperature) -> service response or token ids, seconds)
     methods = []
-    for placement in placements:
-        named = (lambda name: f"{placement}/{name}") if len(placements) > 1 else (lambda name: name)
-        methods.append((named("autoregressive"), placement, "autoregressive", None, None, 0,
-                        lambda i, t, p=placement: through_services(i, 0, t, placement=p)))
+    for variant in variants:
+        prefix = "/".join(part for part, several in zip(variant, (len(placements) > 1, len(formats) > 1)) if several)
+        named = (lambda name, prefix=prefix: f"{prefix}/{name}") if prefix else (lambda name: name)
+        methods.append((named("autoregressive"), variant, "autoregressive", None, None, 0,
+                        lambda i, t, v=variant: through_services(i, 0, t, variant=v)))
         methods += [
             (
-                named(f"{entry}:{tree}_b{b}" if len(entries) > 1 else f"{tree}_b{b}"), placement, "speculative", entry, tree, b,
-                lambda i, t, b=b, tree=tree, entry=entry, p=placement: through_services(i, b, t, shapes[tree], entry, placement=p),
+                named(f"{entry}:{tree}_b{b}" if len(entries) > 1 else f"{tree}_b{b}"), variant, "speculative", entry, tree, b,
+                lambda i, t, b=b, tree=tree, entry=entry, v=variant: through_services(i, b, t, shapes[tree], entry, variant=v),
             )
             for entry in entries
             for tree in trees
             for b in budgets
         ]
         if args.adaptive:
-            methods.append((named("adaptive"), placement, "adaptive", sources[0], None, None,
-                            lambda i, t, p=placement: through_services(i, None, t, adaptive=True, placement=p)))
+            methods.append((named("adaptive"), variant, "adaptive", sources[0], None, None,
+                            lambda i, t, v=variant: through_services(i, None, t, adaptive=True, variant=v)))
     if any(is_model_free(s) or s == "hybrid" for s in sources):
         methods.append(("hf_prompt_lookup", None, "hf_prompt_lookup", None, None, None,
                         lambda i, t: in_process(i, verifier, False, t, prompt_lookup=True)))
@@ -243,9 +250,9 @@ def run_speed(args, setup: BenchSetup) -> int:
         for temperature in temperatures:
             for warm in clients.values():
                 warm.generate(generate_request(prompt="Hi", max_new_tokens=4, temperature=temperature))
-            for placement in placements if args.adaptive else ():  # untimed, as in the RTT sweep: the controller measures every plan first
+            for variant in variants if args.adaptive else ():  # untimed, as in the RTT sweep: the controller measures every plan first
                 through_services(
-                    len(prompt_ids) - 1, None, temperature, adaptive=True, max_new_tokens=4 * args.max_new_tokens, placement=placement
+                    len(prompt_ids) - 1, None, temperature, adaptive=True, max_new_tokens=4 * args.max_new_tokens, variant=variant
                 )
             tallies = {name: Tally() for name, *_ in methods}
             # Interleaved: every prompt visits every method in turn, so drift hits all alike.
@@ -256,12 +263,13 @@ def run_speed(args, setup: BenchSetup) -> int:
                         tallies[name].add(answer, seconds)
                     else:
                         tallies[name].add_service(answer, seconds)
-            alone_in = {placement: tallies[name] for name, placement, method, *_ in methods if method == "autoregressive"}
-            for name, placement, method, drafter_name, tree, budget, _ in methods:
-                tally, alone = tallies[name], alone_in[placement or placements[0]]
+            alone_in = {variant: tallies[name] for name, variant, method, *_ in methods if method == "autoregressive"}
+            for name, variant, method, drafter_name, tree, budget, _ in methods:
+                tally, alone = tallies[name], alone_in[variant or variants[0]]
                 row = {
                     "name": name,
-                    "placement": placement,
+                    "placement": variant and variant[0],
+                    "verifier_dtype": variant and variant[1],
                     "drafter": drafter_name,
                     "method": method,
                     "tree": tree,
@@ -308,6 +316,7 @@ def run_speed(args, setup: BenchSetup) -> int:
             "drafter": config.drafter.model.__dict__,
             "drafters": entries,
             "placements": placements,
+            "verifier_formats": formats,
             "hf_assistant": assistant,
             "prompts": args.prompts,
             "question_ids": setup.question_ids(),
