@@ -40,6 +40,21 @@ def test_rows_do_not_depend_on_the_batch(block_format, shape, kernels):
     assert ((together - blocks).norm(dim=1) / blocks.norm(dim=1)).max() < 0.02  # int8 activations in blocks of 32
 
 
+@pytest.mark.parametrize("block_format", Q4_FORMATS)
+def test_a_row_is_its_quantized_activations_times_the_dequantized_blocks(block_format, kernels):
+    """Independent of the kernel's arithmetic: in float64, each activation block rounded to
+    int8 at its own scale (max |x| / 127), times the weights the blocks stand for."""
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(96, 48)
+    layer = Q4Linear.from_linear(linear, block_format)
+    x = torch.randn(7, 96) * torch.logspace(-1, 1, 96)  # blocks of different scales
+    blocks = x.double().view(7, -1, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / 127).double()
+    rounded = (torch.round(blocks / scale) * scale).view(7, 96)
+    expected = rounded @ dequantize_blocks(*quantize_blocks(linear.weight.detach(), block_format)).double().t() + linear.bias.double()
+    assert torch.allclose(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_native_kernel_computes_what_the_torch_ops_compute():
     """The same integer sums and scales; the native kernel fuses its multiply-adds, so the
     floats agree to rounding."""
