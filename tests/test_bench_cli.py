@@ -42,7 +42,7 @@ def test_bench_compares_both_placements_with_the_oracle_ceiling(bench_files):
     assert {"bench.png", "bench_anatomy.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # 30 s of bench plumbing; the formats' exactness through the services is test_engine.py's
 def test_bench_compares_verifier_weight_formats_each_against_its_own_verifier_alone(bench_files):
     common, tmp_path = bench_files
     out = tmp_path / "formats.json"
