@@ -14,7 +14,6 @@ the best fixed policy, paired by turn. Writes JSON rows, a plot and the checks.
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 import threading
 import time
@@ -196,14 +195,12 @@ def _check_value(check: dict) -> str:
     return f" ({check['value']:.2f})" if "value" in check else ""
 
 
-def write_concurrency(report: dict, out: Path) -> list[Path]:
+def plot_concurrency(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
     for policy in report["policies"]:
         rows = [r for r in report["results"] if r["policy"] == policy]
@@ -222,6 +219,5 @@ def write_concurrency(report: dict, out: Path) -> list[Path]:
         axes.set_xticklabels([str(n) for n in report["levels"]])
         axes.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(out.with_suffix(".png"), dpi=120)
+    figure.savefig(path, dpi=120)
     plt.close(figure)
-    return [out, out.with_suffix(".png")]

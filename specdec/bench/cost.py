@@ -6,7 +6,6 @@ mean of each repetition's own T(k) / T(1) with its 95% interval."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -70,14 +69,6 @@ def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: l
                 "paired_ratio_to_one_token": paired, "paired_interval": [low, high],
             })
     return rows
-
-
-def write_cost_curve(report: dict, out: Path) -> list[Path]:
-    """The report as JSON and its plot beside it; the paths written."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    plot_cost_curve(report["results"], out.with_suffix(".png"))
-    return [out, out.with_suffix(".png")]
 
 
 def format_cost_curve(rows: list[dict]) -> str:

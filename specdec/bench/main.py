@@ -5,6 +5,7 @@ and prints its tables."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from specdec.bench.setup import BenchSetup, bench_setup
@@ -113,18 +114,22 @@ def run_bench(args) -> int:
         from specdec.bench.speed import run_speed
 
         return run_speed(args, setup)
-    run, write, show, fields = study
+    run, plot, show, fields = study
     report = run()
     report["config"] = {**setup.described(args.max_new_tokens), **fields}
-    written = write(report, Path(args.out))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
     print(show(report))
-    print("wrote " + ", ".join(map(str, written)))
+    print(f"wrote {out}, {out.with_suffix('.png')}")
     return 0
 
 
 def _study(args, setup: BenchSetup):
-    """The study a flag asks for, as (run() -> report, write(report, path) -> files written,
-    format(report) -> tables, its own config fields); None = the speed comparison."""
+    """The study a flag asks for, as (run() -> report, plot(report, path of the plot),
+    format(report) -> tables, its own config fields); None = the speed comparison. The report
+    goes to --out as JSON, its plot beside it."""
     config, budget, tree = setup.config, setup.budgets[0], setup.trees[0]
     formats = args.weight_formats.split(",") if args.weight_formats else []
     if args.cost_curve:
@@ -132,30 +137,32 @@ def _study(args, setup: BenchSetup):
 
         context = ([t for ids in setup.prompt_ids for t in ids] * args.cost_context)[: args.cost_context]
         tokens = [int(k) for k in args.cost_curve.split(",")]
-        return (lambda: {"results": cost.run_cost_curve(config, context, tokens, formats)}, cost.write_cost_curve,
+        return (lambda: {"results": cost.run_cost_curve(config, context, tokens, formats)},
+                lambda report, path: cost.plot_cost_curve(report["results"], path),
                 lambda report: cost.format_cost_curve(report["results"]),
                 {"cost_context": args.cost_context, "question_ids": setup.question_ids()})
     if args.weight_quality:
         from specdec.bench import quality
 
         return (lambda: {"results": quality.run_weight_quality(config, setup.prompt_ids, formats, args.max_new_tokens)},
-                quality.write_quality, lambda report: quality.format_quality(report["results"]), {"question_ids": setup.question_ids()})
+                lambda report, path: quality.plot_quality(report["results"], path),
+                lambda report: quality.format_quality(report["results"]), {"question_ids": setup.question_ids()})
     if args.steering_ablation:
         from specdec.bench import steering
 
         return (lambda: steering.run_steering_ablation(args, config, setup.app_args, setup.tokenizer, setup.shapes[tree], budget),
-                steering.write_ablation, steering.format_ablation, {})
+                steering.plot_ablation, steering.format_ablation, {})
     if args.concurrency:
         from specdec.bench import concurrency
 
         return (lambda: concurrency.run_concurrency(args, config, setup.prompt_ids, setup.app_args, tree, budget),
-                concurrency.write_concurrency, concurrency.format_concurrency,
+                concurrency.plot_concurrency, concurrency.format_concurrency,
                 {"prefix_cache_mib": config.verifier.prefix_cache_mib, "question_ids": setup.question_ids()})
     if args.rtt_sweep:
         from specdec.bench import network
 
         return (lambda: network.run_rtt_sweep(args, config, setup.prompt_ids, setup.app_args, setup.placements),
-                network.write_sweep, network.format_sweep,
+                network.plot_sweep, network.format_sweep,
                 {"prefix_cache_mib": 0, "jitter_ms": args.jitter_ms, "bandwidth_mbps": args.bandwidth_mbps,
                  "question_ids": setup.question_ids()})
     return None

@@ -14,7 +14,6 @@ Writes JSON rows (`rtt_ms`, `policy`, ...), a plot of tokens/s against RTT, and 
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -174,14 +173,12 @@ def sweep_checks(rows: list[dict]) -> list[dict]:
     return checks
 
 
-def write_sweep(report: dict, out: Path) -> list[Path]:
+def plot_sweep(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
     rows = report["results"]
     temperatures = sorted({r["temperature"] for r in rows})
     fig, axes = plt.subplots(1, len(temperatures), figsize=(6.5 * len(temperatures), 4.5), squeeze=False)
@@ -201,10 +198,8 @@ def write_sweep(report: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=8)
     fig.suptitle("specdec bench --rtt-sweep: tokens/s against network latency")
     fig.tight_layout()
-    plot = out.with_suffix(".png")
-    fig.savefig(plot, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [out, plot]
 
 
 def format_sweep(report: dict) -> str:

@@ -6,7 +6,6 @@ agreement, and KL(float32 || format) in nats."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -45,20 +44,13 @@ def run_weight_quality(config, prompt_ids: list[list[int]], formats: list[str], 
     return rows
 
 
-def write_quality(report: dict, out: Path) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    _plot(report["results"], out.with_suffix(".png"))
-    return [out, out.with_suffix(".png")]
-
-
 def format_quality(rows: list[dict]) -> str:
     lines = ["format | top-1 agreement with float32 | KL(float32 || format), nats | positions", "---|---|---|---"]
     lines += [f"{r['format']} | {r['top1_agreement']:.3f} | {r['kl_nats']:.4f} | {r['positions']}" for r in rows]
     return "\n".join(lines)
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def plot_quality(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

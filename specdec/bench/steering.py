@@ -13,7 +13,6 @@ of accepted tokens per round, and the checks of the steering issue.
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -219,14 +218,12 @@ def format_ablation(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_ablation(report: dict, out: Path) -> list[Path]:
+def plot_ablation(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
     rows = [r for r in report["results"] if r["steering"] in VARIANTS]
     panels = sorted({(r["prompt_set"], r["temperature"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
@@ -246,7 +243,5 @@ def write_ablation(report: dict, out: Path) -> list[Path]:
         ax.set_ylabel("accepted draft tokens per round")
     fig.suptitle(f"SD² steering ablation ({report['tree']}, {report['budget']} draft tokens per round)")
     fig.tight_layout()
-    plot = out.with_suffix(".png")
-    fig.savefig(plot, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [out, plot]
