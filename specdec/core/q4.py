@@ -78,8 +78,9 @@ def unpack(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 class Q4Linear(torch.nn.Module):
     """A linear layer with 4-bit block weights and int8 block activations (module docstring).
-    On a CPU with the native kernels they multiply there; elsewhere the same arithmetic runs as
-    torch ops, sum for sum, and gives the same floats."""
+    On a CPU with the native kernels they multiply there; elsewhere the same sums and scales run
+    as torch ops, equal to rounding (the kernel fuses its multiply-adds). Each path on its own
+    gives a row the same result whatever else its pass holds."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, in_features: int):
         super().__init__()
@@ -87,6 +88,7 @@ class Q4Linear(torch.nn.Module):
         self.register_buffer("packed", pack(q, d, m), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.kernels = native()
+        self._unpacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the torch path's weights, made on first use
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, block_format: str) -> "Q4Linear":
@@ -112,14 +114,17 @@ class Q4Linear(torch.nn.Module):
 
     def _torch_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """The native kernel's arithmetic in torch ops: the same integer sums (exact in float32:
-        32 products of at most 15 * 127) and the same float operations in the same order."""
-        q, d, m = unpack(self.packed, self.out_features)
-        blocks = torch.nn.functional.pad(rows, (0, q.shape[1] - self.in_features)).view(rows.shape[0], -1, BLOCK)
+        32 products of at most 15 * 127), each row's blocks added in order, without fused
+        multiply-adds."""
+        if self._unpacked is None:
+            q, d, m = unpack(self.packed, self.out_features)
+            self._unpacked = q.view(q.shape[0], -1, BLOCK).float(), d.float(), m.float()
+        q, d, m = self._unpacked
+        blocks = torch.nn.functional.pad(rows, (0, q.shape[1] * BLOCK - self.in_features)).view(rows.shape[0], -1, BLOCK)
         scale = blocks.abs().amax(-1).clamp_min(_TINY) / 127
         xq = torch.round(blocks / scale[..., None])
         scaled_sums = scale * xq.sum(-1)
-        sums = torch.einsum("rbi,nbi->rnb", xq, q.view(q.shape[0], -1, BLOCK).float())
-        d, m = d.float(), m.float()
+        sums = torch.einsum("rbi,nbi->rnb", xq, q)
         total = torch.zeros(rows.shape[0], self.out_features)
         for b in range(sums.shape[-1]):
             total = total + sums[..., b] * (d[:, b] * scale[:, b, None])
