@@ -53,6 +53,28 @@ V* at_least(std::vector<V>& buffer, int64_t n) {
   return buffer.data();
 }
 
+// Calls run(std::integral_constant<int, rows>{}) for 1 <= rows <= Most: a kernel gets its row
+// count as a compile-time constant, so that its per-row sums stay in registers.
+template <int Most, typename Run>
+void with_rows(int rows, Run run) {
+  if constexpr (Most > 1) {
+    if (rows < Most) return with_rows<Most - 1>(rows, run);
+  }
+  run(std::integral_constant<int, Most>{});
+}
+
+// Calls work(first row, count) for each group of at most `most` of `rows` rows, split evenly:
+// 17 -> 9 + 8, not 16 + 1.
+template <typename Work>
+void in_row_groups(int64_t rows, int64_t most, Work work) {
+  const int64_t groups = (rows + most - 1) / most;
+  for (int64_t g = 0, r0 = 0; g < groups; ++g) {
+    const int count = static_cast<int>((rows - r0) / (groups - g));
+    work(r0, count);
+    r0 += count;
+  }
+}
+
 #if defined(__AVX512F__)
 // The lanes of a 16-wide vector that hold one of the `remaining` elements.
 __mmask16 lanes_of(int64_t remaining) {
@@ -307,14 +329,6 @@ void block_dot(const uint8_t* x, int64_t chunk_stride, int64_t plane, const int8
 #endif
 }
 
-template <int R>
-void rows_dot(int rows, const uint8_t* x, int64_t chunk_stride, int64_t plane, const int8_t* block, int64_t k_steps, int32_t* acc) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_dot<R - 1>(rows, x, chunk_stride, plane, block, k_steps, acc);
-  }
-  block_dot<R>(x, chunk_stride, plane, block, k_steps, acc);
-}
-
 // One row of one block: out[c] = float(acc[c] - kZeroPoint sum(w[c])) * (row_scale * w_scale[c]) (+ bias[c]).
 void epilogue(const int32_t* acc, const int32_t* wsum, const float* ws, const float* bias, float row_scale, int64_t col0,
               int64_t n, float* out) {
@@ -403,36 +417,39 @@ struct Int8Layer {
     TORCH_CHECK(blocks * kBlock >= n, "packed weights do not match the output");
     at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
       int32_t acc[kRows * kBlock];
-      const int64_t groups = (m + kRows - 1) / kRows;
       for (int64_t blk = first; blk < last; ++blk) {
         const int8_t* block = packed + blk * k_steps * kBlock * 4;
-        for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly: 17 -> 9 + 8, not 16 + 1
-          const int rows = static_cast<int>((m - r0) / (groups - g));
-          rows_dot<kRows>(rows, xq.data() + r0 * kChunkBytes, m * kChunkBytes, m * row_bytes(), block, k_steps, acc);
+        in_row_groups(m, kRows, [&](int64_t r0, int rows) {
+          with_rows<kRows>(rows, [&](auto r) {
+            block_dot<decltype(r)::value>(xq.data() + r0 * kChunkBytes, m * kChunkBytes, m * row_bytes(), block, k_steps, acc);
+          });
           for (int r = 0; r < rows; ++r)
             epilogue(acc + r * kBlock, sums, scale, bias, row_scale[r0 + r], blk * kBlock, n, out + (r0 + r) * n);
-          r0 += rows;
-        }
+        });
       }
     });
   }
 
-  void apply(const float* x, int64_t m, int64_t k, float* out) const {
-    std::vector<uint8_t> xq;
-    std::vector<float> row_scale;
-    quantize(m, k, [&](int64_t r, float* row) { std::memcpy(row, x + r * k, k * sizeof(float)); }, xq, row_scale);
-    multiply(xq, row_scale, m, out);
-  }
 };
+
+// out = layer(x) for the m rows of x [m, k] (an Int8Layer or a Q4Layer): quantized, then multiplied.
+template <typename Layer>
+torch::Tensor apply_layer(const Layer& layer, torch::Tensor x, int64_t n) {
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), n}, torch::kFloat32);
+  const float* rows = x.data_ptr<float>();
+  const int64_t k = x.size(1);
+  std::vector<uint8_t> xq;
+  std::vector<float> scales;
+  layer.quantize(x.size(0), k, [&](int64_t r, float* row) { std::memcpy(row, rows + r * k, k * sizeof(float)); }, xq, scales);
+  layer.multiply(xq, scales, x.size(0), out.data_ptr<float>());
+  return out;
+}
 
 torch::Tensor int8_linear(torch::Tensor x, c10::optional<torch::Tensor> smoothing, torch::Tensor packed,
                           torch::Tensor sums, torch::Tensor w_scale, c10::optional<torch::Tensor> bias, int64_t n) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "int8_linear takes float32 [M, K]");
-  x = x.contiguous();
-  auto out = torch::empty({x.size(0), n}, torch::kFloat32);
-  Int8Layer(packed, sums, w_scale, bias.value_or(torch::Tensor()), smoothing.value_or(torch::Tensor()), n)
-      .apply(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<float>());
-  return out;
+  return apply_layer(Int8Layer(packed, sums, w_scale, bias.value_or(torch::Tensor()), smoothing.value_or(torch::Tensor()), n), x, n);
 }
 
 // 4-bit block weights as GGUF's Q4_0 and Q4_1 hold them: along K, blocks of 32 weights
@@ -590,15 +607,6 @@ void q4_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stri
 #endif
 }
 
-template <int R>
-void q4_some_rows(int rows, const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stride, const uint8_t* w, int64_t k_blocks,
-                  float* out) {
-  if constexpr (R > 1) {
-    if (rows < R) return q4_some_rows<R - 1>(rows, x, x_stride, xs, xs_stride, w, k_blocks, out);
-  }
-  q4_rows<R>(x, x_stride, xs, xs_stride, w, k_blocks, out);
-}
-
 // A 4-bit block linear layer as Q4Linear holds it: blocks [N/16][K/32][kQBlockBytes] (512
 // nibbles, then 16 d and 16 m in float16) and an optional bias. The same calls as Int8Layer:
 // quantize the rows, then multiply (xq holds the int8 rows, scales each row's block scales).
@@ -634,19 +642,18 @@ struct Q4Layer {
     const int8_t* x = reinterpret_cast<const int8_t*>(xq.data());
     at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
       float sums[kQRows * kBlock];
-      const int64_t groups = (rows + kQRows - 1) / kQRows;
       for (int64_t blk = first; blk < last; ++blk) {
         const uint8_t* w = packed + blk * k_blocks * kQBlockBytes;
-        for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // rows split evenly, as Int8Layer does
-          const int count = static_cast<int>((rows - r0) / (groups - g));
-          q4_some_rows<kQRows>(count, x + r0 * k_pad(), k_pad(), scales.data() + r0 * 2 * k_blocks, 2 * k_blocks, w, k_blocks, sums);
+        in_row_groups(rows, kQRows, [&](int64_t r0, int count) {
+          with_rows<kQRows>(count, [&](auto r) {
+            q4_rows<decltype(r)::value>(x + r0 * k_pad(), k_pad(), scales.data() + r0 * 2 * k_blocks, 2 * k_blocks, w, k_blocks, sums);
+          });
           for (int r = 0; r < count; ++r)
             for (int64_t c = 0; c < kBlock && blk * kBlock + c < n; ++c) {
               const int64_t col = blk * kBlock + c;
               out[(r0 + r) * n + col] = bias ? sums[r * kBlock + c] + bias[col] : sums[r * kBlock + c];
             }
-          r0 += count;
-        }
+        });
       }
     });
   }
@@ -654,16 +661,7 @@ struct Q4Layer {
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "q4_linear takes float32 [M, K]");
-  x = x.contiguous();
-  auto out = torch::empty({x.size(0), n}, torch::kFloat32);
-  const Q4Layer layer(packed, bias.value_or(torch::Tensor()), n);
-  std::vector<uint8_t> xq;
-  std::vector<float> scales;
-  const float* rows = x.data_ptr<float>();
-  const int64_t k = x.size(1);
-  layer.quantize(x.size(0), k, [&](int64_t r, float* row) { std::memcpy(row, rows + r * k, k * sizeof(float)); }, xq, scales);
-  layer.multiply(xq, scales, x.size(0), out.data_ptr<float>());
-  return out;
+  return apply_layer(Q4Layer(packed, bias.value_or(torch::Tensor()), n), x, n);
 }
 
 #if defined(__AVX512F__)
