@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -76,14 +77,21 @@ def local_source(source: str) -> str:
 
 def gguf_layer_formats(source: str) -> set[str] | None:
     """The GGUF block formats (Q4_1, Q4_K, ...) of a GGUF source's decoder-layer weight
-    matrices, or None for a source that is not a GGUF file."""
+    matrices, or None for a source that is not a GGUF file. Read once (parsing the file's
+    header takes seconds) and kept beside its converted copy."""
     directory, gguf_file = resolve_source(source)
     if not gguf_file:
         return None
-    from gguf import GGUFReader
+    record = _converted_gguf_dir(directory, gguf_file) / "gguf_layer_formats.json"
+    if not record.is_file():
+        from gguf import GGUFReader
 
-    tensors = GGUFReader(str(Path(directory) / gguf_file)).tensors
-    return {t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+        tensors = GGUFReader(str(Path(directory) / gguf_file)).tensors
+        formats = sorted({t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2})
+        staging = record.with_name(record.name + f".tmp{os.getpid()}")
+        staging.write_text(json.dumps(formats))
+        staging.rename(record)
+    return set(json.loads(record.read_text()))
 
 
 def resolve_alias(source: str) -> str:
