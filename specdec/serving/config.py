@@ -11,7 +11,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+)
 from pydantic.dataclasses import dataclass
 
 from specdec.core.engine import QUANTIZED, WEIGHT_FORMATS
@@ -36,9 +46,6 @@ class ConfigError(ValueError):
 settings = functools.partial(dataclass, config=ConfigDict(extra="forbid", strict=True))
 
 Port = Annotated[int, Field(ge=0, le=65535)]
-Replicas = Annotated[int, Field(ge=1)]
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 def _model_spec(value: Any) -> Any:
@@ -53,9 +60,9 @@ class ServiceConfig:
     model: Model
     host: str = "0.0.0.0"
     port: Port = 0  # 0 = any free port (the coordinator finds it)
-    torch_threads: Annotated[int, Field(ge=0)] = 0  # 0 = one per core
+    torch_threads: NonNegativeInt = 0  # 0 = one per core
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
-    num_replicas: Replicas = 1  # Ray Serve replicas, when not autoscaling
+    num_replicas: PositiveInt = 1  # Ray Serve replicas, when not autoscaling
     # Ray Serve autoscaling_config ({} = num_replicas, fixed). The sessions a replica holds drive
     # it with policy {policy_function: specdec.serving.autoscaling:SessionsPolicy} (deploy/serve.yaml).
     autoscaling: dict[str, Any] = field(default_factory=dict)
@@ -82,7 +89,7 @@ class VerifierConfig(ServiceConfig):
 
     # Prompt prefixes kept for sessions that start alike (a system prompt, a repeated prompt):
     # their keys and values are copied, not computed again. Native engine only; 0 = none.
-    prefix_cache_mib: Annotated[float, Field(ge=0)] = 256.0
+    prefix_cache_mib: NonNegativeFloat = 256.0
 
 
 @settings
@@ -95,7 +102,7 @@ class LimitsConfig:
     max_fused_tokens: PositiveInt = 64  # tokens one verifier-only call may ask for
     max_new_tokens: PositiveInt = 2048  # per request
     max_concurrent_requests: PositiveInt = 32  # at the coordinator; more at once get RESOURCE_EXHAUSTED, not a queue
-    max_stop_strings: Annotated[int, Field(ge=0)] = 16  # per request
+    max_stop_strings: NonNegativeInt = 16  # per request
     max_stop_string_chars: PositiveInt = 256  # per stop string
     max_sessions: PositiveInt = 64  # KV caches each service keeps; the least recently used is evicted
     session_ttl_s: PositiveFloat = 600.0  # a session idle this long is dropped
@@ -262,7 +269,7 @@ class CoordinatorConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     service_tls: ServiceTlsConfig = field(default_factory=ServiceTlsConfig)  # the links to the drafter and verifier
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
-    num_replicas: Replicas = 1  # Ray Serve replicas; they share the client port (SO_REUSEPORT)
+    num_replicas: PositiveInt = 1  # Ray Serve replicas; they share the client port (SO_REUSEPORT)
     # Ray Serve autoscaling_config ({} = num_replicas), on the requests through Serve's proxies
     autoscaling: dict[str, Any] = field(default_factory=dict)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, PositiveInt
 from tqdm import tqdm
 
 from specdec.core.drafter_checkpoint import (
@@ -50,7 +50,7 @@ from specdec.core.steering import (
     sample_offsets,
     save_steering,
 )
-from specdec.serving.config import ConfigError, PositiveInt, settings
+from specdec.serving.config import ConfigError, settings
 from specdec.train.agreement import SteeringPair, evaluate, steered
 from specdec.train.divergences import DIVERGENCES, divergence
 from specdec.train.files import Checkpoint, load_or_make, train_step, warmup_then_linear

@@ -27,10 +27,9 @@ import random
 import time
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated
 
 import torch
-from pydantic import Field
+from pydantic import NonNegativeInt, PositiveInt
 from tqdm import tqdm
 from transformers import GenerationConfig
 
@@ -51,7 +50,7 @@ from specdec.core.prompts import (
     training_split,
 )
 from specdec.core.steering import default_layers
-from specdec.serving.config import ConfigError, PositiveInt, settings
+from specdec.serving.config import ConfigError, settings
 from specdec.train.files import Checkpoint, atomic_save, load_or_make, train_step, warmup_then_linear
 from specdec.train.unroll import Sample, evaluate, unrolled_loss
 
@@ -81,7 +80,7 @@ class FeatureHeadConfig:
     dtype: str = "float16"
     out: str = "runs/feature_head"
     device: str = "cpu"  # "cuda": batched float32 samples and training on the GPU
-    self_instruct_prompts: Annotated[int, Field(ge=0)] = 0  # prompts the verifier writes itself (Magpie), answered like the others
+    self_instruct_prompts: NonNegativeInt = 0  # prompts the verifier writes itself (Magpie), answered like the others
     generation_batch: PositiveInt = 256  # sequences generated at once (device: cuda)
 
     def __post_init__(self):
