@@ -277,7 +277,7 @@ class CoordinatorConfig:
 @settings
 class Config:
     # By measurement on CPU (docs/engine.md): the verifier in its GGUF file's own 4-bit blocks
-    # (q4_1) decodes alone 1.33x faster through the services than int8 and agrees with float32
+    # (q4_1) decodes alone 1.30x faster through the services than int8 and agrees with float32
     # more closely; the drafter, the verifier-feature head, int8 (its step ~6x float32's; it
     # keeps about twice the SD² drafter's tokens, docs/feature_head.md).
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(ModelSpec(BUILTIN_SMOLLM2, dtype="q4_1")))
