@@ -6,6 +6,10 @@ paired ratios new/base with its quartiles.
 
     .venv/bin/python scripts/kernel_ab.py --base HEAD~1 --tokens 1,9,17 --context 200 --pairs 40
 
+`--contention BUSY_MS,IDLE_MS` runs a second process meanwhile that keeps one core busy for
+BUSY_MS every BUSY_MS + IDLE_MS, as a served verifier's neighbours on the machine do (the
+drafter, the coordinator, Ray).
+
 `--base` and `--new` name git revisions of specdec/core/kernels/engine_cpu.cpp; `--new`
 defaults to the working tree. Both builds must pack weights alike (checked: the model's
 weights are packed once, by the build the engine loaded) and take the same arguments from
@@ -17,6 +21,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -44,6 +49,18 @@ def source_at(revision: str | None) -> str:
     return subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
 
 
+def contend(busy_ms: float, idle_ms: float) -> subprocess.Popen:
+    """A process that spins for busy_ms, then sleeps for idle_ms, until killed."""
+    loop = (
+        "import time\n"
+        "while True:\n"
+        f"    end = time.perf_counter() + {busy_ms / 1e3}\n"
+        "    while time.perf_counter() < end: pass\n"
+        f"    time.sleep({idle_ms / 1e3})\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", loop])
+
+
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     q1, median, q3 = statistics.quantiles(values, n=4)
     return q1, median, q3
@@ -57,8 +74,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="committed context length")
     parser.add_argument("--pairs", type=int, default=40, help="forwards per build and k")
     parser.add_argument("--config", default=None, help="YAML config whose verifier is measured")
+    parser.add_argument("--contention", default=None, metavar="BUSY_MS,IDLE_MS",
+                        help="a process busy BUSY_MS of every BUSY_MS + IDLE_MS on one core meanwhile")
     parser.add_argument("--out", default="runs/kernel_ab.json")
     args = parser.parse_args()
+    busy_ms, idle_ms = (float(v) for v in args.contention.split(",")) if args.contention else (0.0, 0.0)
 
     builds = {"base": build(source_at(args.base)), "new": build(source_at(args.new))}
     probe = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
@@ -76,6 +96,7 @@ def main() -> None:
     tokens = [int(k) for k in args.tokens.split(",")]
     ids = torch.randint(1000, 40000, (args.context + max(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
     times: dict[tuple[str, int], list[float]] = {(name, k): [] for name in builds for k in tokens}
+    contender = contend(busy_ms, idle_ms) if args.contention else None
     with torch.inference_mode():
         cache = engine.new_cache()
         engine(cache, ids[: args.context])
@@ -90,6 +111,8 @@ def main() -> None:
                     engine(cache, ids[args.context : args.context + k], num_logits=k)
                     if pair >= 2:  # the first two warm caches and allocators
                         times[(name, k)].append((time.perf_counter() - start) * 1e3)
+    if contender is not None:
+        contender.kill()
     rows = []
     for k in tokens:
         base, new = times[("base", k)], times[("new", k)]
@@ -102,7 +125,8 @@ def main() -> None:
               f"new/base {ratio:.3f} [{low:.3f}, {high:.3f}]")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"base": args.base, "new": args.new or "working tree", "rows": rows}, indent=2))
+    report = {"base": args.base, "new": args.new or "working tree", "contention": args.contention, "rows": rows}
+    out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 
 

@@ -18,7 +18,7 @@ from tests.tiny_models import build_model_dir
 def kernels(request, monkeypatch):
     """Runs a test on the engine's native kernels and again on its torch-ops fallback."""
     if request.param == "torch":
-        for module in ("engine", "int8", "q4"):
+        for module in ("engine", "int8", "blocks"):
             monkeypatch.setattr(f"specdec.core.{module}.native", lambda: None)
     elif native() is None:
         pytest.fail("the native engine kernels did not build on this machine (see the log)")
@@ -52,9 +52,9 @@ def test_int8_linear_sums_exactly_with_either_kernel(kernels):
     assert torch.equal(quantized(x[:1]), exact[:1])
 
 
-@pytest.fixture(params=["int8", "q4_1"])
+@pytest.fixture(params=["int8", "q4_1", "q8_0"])
 def weights(request):
-    """Runs a test with the model's linears int8, and again with 4-bit blocks (q4_1)."""
+    """Runs a test with the model's linears int8, and again with 4-bit and 8-bit blocks."""
     return request.param
 
 

@@ -2,9 +2,9 @@
 
 `float32`, `bfloat16` and `float16` are transformers' own modules in that dtype (float32 is
 exactly what `generate()` runs); `int8` (specdec/core/int8.py) replaces every linear layer of
-the decoder and the LM head; `q4_0` and `q4_1` (specdec/core/q4.py) keep the decoder's linears
-as GGUF's 4-bit blocks and the LM head int8. `LlamaEngine` runs Llama-family decoders itself:
-with int8 or 4-bit weights on a CPU each layer is one call of the native kernel, and every row of a pass (tree nodes,
+the decoder and the LM head; `q4_0`, `q4_1` and `q8_0` (specdec/core/blocks.py) keep the decoder's linears
+as GGUF's blocks and the LM head int8. `LlamaEngine` runs Llama-family decoders itself:
+with int8 or block weights on a CPU each layer is one call of the native kernel, and every row of a pass (tree nodes,
 other sessions' tokens) gets exactly what it would alone. Other models run through
 `TransformersEngine`.
 """
@@ -17,12 +17,12 @@ import torch
 
 from specdec.core.cuda_graphs import GraphRunner, cuda_graphs_enabled
 from specdec.core.int8 import NativeLayer, fused_linear, native_layer
-from specdec.core.q4 import Q4_FORMATS
+from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.kernels import native
 from specdec.core.kv_cache import KVCache, TransformersCache
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", *Q4_FORMATS)
-QUANTIZED = ("int8", *Q4_FORMATS)  # formats whose linears multiply integers (specdec/core/int8.py, q4.py)
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", *BLOCK_FORMATS)
+QUANTIZED = ("int8", *BLOCK_FORMATS)  # formats whose linears multiply integers (specdec/core/int8.py, blocks.py)
 
 
 def torch_dtype(weights: str) -> torch.dtype:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from specdec.core.kernels import native
-from specdec.core.q4 import Q4Linear
+from specdec.core.blocks import BlockLinear
 
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # the native layer's "no mask"
 _TINY = 1e-12  # the smallest scale: an all-zero row quantizes to zeros instead of NaN
@@ -100,13 +100,13 @@ def quantize_linears(
 ) -> None:
     """Replaces every torch.nn.Linear under `module` by an Int8Linear, in place, smoothed by
     `input_ranges` (qualified module name -> per-channel input range) where given; with a
-    `block_format` (q4_0, q4_1), those of the decoder layers by a Q4Linear instead (the LM
+    `block_format` (q4_0, q4_1, q8_0), those of the decoder layers by a BlockLinear instead (the LM
     head stays int8: GGUF files keep it at 8 bits too)."""
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
         if isinstance(child, torch.nn.Linear):
             if block_format and ".layers." in f".{qualified}":
-                setattr(module, name, Q4Linear.from_linear(child, block_format))
+                setattr(module, name, BlockLinear.from_linear(child, block_format))
             else:
                 setattr(module, name, Int8Linear.from_linear(child, (input_ranges or {}).get(qualified)))
         else:
@@ -115,7 +115,7 @@ def quantize_linears(
 
 def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
     """One layer computing several linears of the same input side by side (q|k|v, gate|up)."""
-    for kind in (Int8Linear, Q4Linear):
+    for kind in (Int8Linear, BlockLinear):
         if all(isinstance(p, kind) for p in parts):
             return kind.side_by_side(parts)
     bias = parts[0].bias is not None
@@ -127,7 +127,7 @@ def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
 
 
 class NativeLayer:
-    """A Llama decoder layer with int8 or 4-bit block weights run whole by one call of the native kernel:
+    """A Llama decoder layer with int8 or block weights run whole by one call of the native kernel:
     norms, fused q|k|v, rotary, batch-invariant attention over a transposed-key cache, o,
     fused gate|up, down, both residuals. Writes the new keys and values into the cache."""
 
@@ -151,18 +151,18 @@ class NativeLayer:
 
 
 def _native_tensors(linear, empty: torch.Tensor) -> list[torch.Tensor]:
-    """A linear's five tensors as the native layer reads them (Int8Layer, Q4Layer)."""
+    """A linear's five tensors as the native layer reads them (Int8Layer, BlockLayer)."""
     bias = empty if linear.bias is None else linear.bias
-    if isinstance(linear, Q4Linear):
+    if isinstance(linear, BlockLinear):
         return [linear.packed, bias, empty, empty, empty]
     return [linear.packed, linear.sums, linear.scale, bias, empty if linear.smoothing is None else linear.smoothing]
 
 
 def native_layer(input_norm, qkv, o, post_norm, gate_up, down, eps: float) -> NativeLayer | None:
     """The layer for the native kernel, or None where it does not apply (weights neither all
-    int8 nor all 4-bit blocks, no kernels, not on the CPU)."""
+    int8 nor all blocks, no kernels, not on the CPU)."""
     linears = (qkv, o, gate_up, down)
-    if native() is None or not any(all(isinstance(m, kind) for m in linears) for kind in (Int8Linear, Q4Linear)):
+    if native() is None or not any(all(isinstance(m, kind) for m in linears) for kind in (Int8Linear, BlockLinear)):
         return None
     if not all(m.kernels is not None and m.packed.device.type == "cpu" for m in linears):
         return None

@@ -16,7 +16,7 @@ from specdec.core.drafter_checkpoint import (
     load_drafter,
 )
 from specdec.core.engine import QUANTIZED, torch_dtype
-from specdec.core.q4 import Q4_FORMATS
+from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.int8 import quantize_linears
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
@@ -50,7 +50,7 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     """The model in eval mode, with logits over the whole vocabulary (a distilled drafter with a
     reduced draft vocabulary gives -inf outside it), its weights in the format `spec.dtype`
     names (specdec/core/engine.py)."""
-    if spec.dtype in Q4_FORMATS:
+    if spec.dtype in BLOCK_FORMATS:
         _check_block_format(spec)
     dtype = torch_dtype(spec.dtype)
     source = resolve_alias(spec.source)
@@ -67,7 +67,7 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
 
 
 def _check_block_format(spec: ModelSpec) -> None:
-    """A GGUF file is served 4-bit only in the block format its layers are stored in, so that
+    """A GGUF file is served in a block format only when its layers are stored in it, so that
     its blocks stay as they are (any other model is quantized to blocks at load)."""
     stored = gguf_layer_formats(spec.source)
     if stored is not None and stored != {spec.dtype.upper()}:

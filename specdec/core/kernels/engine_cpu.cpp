@@ -432,7 +432,7 @@ struct Int8Layer {
 
 };
 
-// out = layer(x) for the m rows of x [m, k] (an Int8Layer or a Q4Layer): quantized, then multiplied.
+// out = layer(x) for the m rows of x [m, k] (an Int8Layer or a BlockLayer): quantized, then multiplied.
 template <typename Layer>
 torch::Tensor apply_layer(const Layer& layer, torch::Tensor x, int64_t n) {
   x = x.contiguous();
@@ -452,15 +452,18 @@ torch::Tensor int8_linear(torch::Tensor x, c10::optional<torch::Tensor> smoothin
   return apply_layer(Int8Layer(packed, sums, w_scale, bias.value_or(torch::Tensor()), smoothing.value_or(torch::Tensor()), n), x, n);
 }
 
-// 4-bit block weights as GGUF's Q4_0 and Q4_1 hold them: along K, blocks of 32 weights
-// w = d q + m with q in [0, 15] and one float16 d and m per block and channel (Q4_0: m = -8 d).
+// Block weights as GGUF's Q4_0, Q4_1 and Q8_0 hold them: along K, blocks of 32 weights
+// w = d q + m with one float16 d and m per block and channel; q in [0, 15] (4 bits) or
+// [0, 255] (8 bits; Q8_0's signed q is q - 128, so m = -128 d; Q4_0: m = -8 d).
 // Activations enter as int8 in blocks of 32 too, each block of a row with its own scale s, so
 //   sum_k x w = sum over blocks of (sum q xq) (d s) + m (s sum xq),
 // the integer sums exact and the float sum over a row's blocks taken in block order: a row's
 // result depends on that row alone.
-constexpr int64_t kQBlock = 32;       // weights per block along K
-constexpr int64_t kQNibbleBytes = 256;  // one block of 16 channels: 512 nibbles,
-constexpr int64_t kQBlockBytes = kQNibbleBytes + 2 * kBlock * 2;  // then their 16 d and 16 m, float16: one stream
+constexpr int64_t kQBlock = 32;  // weights per block along K
+// One block of 16 channels, one stream: their 512 weights (4 bits: 256 bytes of nibbles; 8 bits:
+// 512 bytes), then their 16 d and 16 m in float16.
+constexpr int64_t weight_bytes(int bits) { return bits * kQBlock * kBlock / 8; }
+constexpr int64_t block_bytes(int bits) { return weight_bytes(bits) + 2 * kBlock * 2; }
 #if defined(__AVX512VNNI__) || !defined(__AVX2__)
 constexpr int kQRows = 8;  // rows a pass over the weights serves (their sums stay in registers)
 #else
@@ -468,7 +471,7 @@ constexpr int kQRows = 2;
 #endif
 
 // One row's activations, quantized: xq (k_pad int8) and, per block, its scale s and s sum(xq):
-// s = max|x| / 127 over the block, xq = round(x / s), the operations of Q4Linear's torch path.
+// s = max|x| / 127 over the block, xq = round(x / s), the operations of BlockLinear's torch path.
 void quantize_blocks(const float* x, int64_t k, int64_t k_pad, int8_t* xq, float* block_scales) {
   for (int64_t b = 0; b * kQBlock < k_pad; ++b) {
     const int64_t first = b * kQBlock, count = std::min<int64_t>(kQBlock, std::max<int64_t>(k - first, 0));
@@ -507,25 +510,31 @@ void quantize_blocks(const float* x, int64_t k, int64_t k_pad, int8_t* xq, float
 
 // out[r][c] for R rows and the 16 channels of one channel block: the blocks along K in order,
 // each adding float(sum q xq) * (d s) and then m * (s sum xq).
-template <int R>
-void q4_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stride, const uint8_t* w, int64_t k_blocks, float* out) {
+template <int R, int Bits>
+void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stride, const uint8_t* w, int64_t k_blocks, float* out) {
 #if defined(__AVX512VNNI__)
   __m512 total[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  constexpr int64_t kBytes = block_bytes(Bits);
   for (int64_t b = 0; b < k_blocks; ++b) {
-    const uint8_t* wb = w + b * kQBlockBytes;
-    const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + kQNibbleBytes);
+    const uint8_t* wb = w + b * kBytes;
+    const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + weight_bytes(Bits));
     const c10::Half* m = d + kBlock;
-#pragma GCC unroll 5
-    for (int line = 0; line < 5; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kQBlockBytes + 64 * line), _MM_HINT_T0);
+#pragma GCC unroll 9
+    for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kBytes + 64 * line), _MM_HINT_T0);
     __m512i steps[8];  // step i: inputs 4i..4i+3 of the block for the 16 channels, one byte each
+    if constexpr (Bits == 4) {
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const __m512i packed = _mm512_loadu_si512(wb + i * 64);
-      steps[i] = _mm512_and_si512(packed, low_nibbles);
-      steps[i + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      for (int i = 0; i < 4; ++i) {
+        const __m512i packed = _mm512_loadu_si512(wb + i * 64);
+        steps[i] = _mm512_and_si512(packed, low_nibbles);
+        steps[i + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) steps[i] = _mm512_loadu_si512(wb + i * 64);
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m)));
@@ -548,22 +557,44 @@ void q4_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stri
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, total[r]);
 #elif defined(__AVX2__)
-  // vpmaddubsw: unsigned q times signed xq, pairs summed to int16 (at most 2 * 15 * 128: no
-  // saturation), then pairs of those to int32. Channels 0-7 and 8-15 in two halves.
+  // vpmaddubsw: unsigned times signed bytes, pairs summed to int16, then pairs of those to
+  // int32. 4-bit q times xq: at most 2 * 15 * 128, no saturation. 8-bit q would saturate: it
+  // goes as |q - 128| times xq with q - 128's sign (at most 2 * 128 * 127), and 128 sum(xq) is
+  // added back. Channels 0-7 and 8-15 in two halves.
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), byte_ones = _mm256_set1_epi8(1);
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  constexpr int64_t kBytes = block_bytes(Bits);
   for (int64_t b = 0; b < k_blocks; ++b) {
-    const uint8_t* wb = w + b * kQBlockBytes;
-    const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + kQNibbleBytes);
+    const uint8_t* wb = w + b * kBytes;
+    const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + weight_bytes(Bits));
     const c10::Half* m = d + kBlock;
-    for (int line = 0; line < 5; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kQBlockBytes + 64 * line), _MM_HINT_T0);
+    for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kBytes + 64 * line), _MM_HINT_T0);
+    __m256i shifted_sums[R];  // 8 bits: 128 sum(xq) of each row's block, in every lane
+    if constexpr (Bits == 8) {
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * x_stride + b * kQBlock));
+        __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(byte_ones, xv), ones);
+        sum = _mm256_add_epi32(sum, _mm256_shuffle_epi32(sum, 0x4E));
+        sum = _mm256_add_epi32(sum, _mm256_shuffle_epi32(sum, 0xB1));
+        sum = _mm256_add_epi32(sum, _mm256_permute2x128_si256(sum, sum, 1));
+        shifted_sums[r] = _mm256_slli_epi32(sum, 7);
+      }
+    }
     for (int h = 0; h < 2; ++h) {
-      __m256i steps[8];
-      for (int i = 0; i < 4; ++i) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32));
-        steps[i] = _mm256_and_si256(packed, low_nibbles);
-        steps[i + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+      __m256i steps[8], signs[8];
+      if constexpr (Bits == 4) {
+        for (int i = 0; i < 4; ++i) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32));
+          steps[i] = _mm256_and_si256(packed, low_nibbles);
+          steps[i + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) {
+          signs[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32)), offset);  // q - 128
+          steps[i] = _mm256_abs_epi8(signs[i]);
+        }
       }
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + h * 8)));
       const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + h * 8)));
@@ -573,8 +604,11 @@ void q4_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stri
         for (int i = 0; i < 8; ++i) {
           int32_t four;
           std::memcpy(&four, xb + 4 * i, 4);
-          sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(steps[i], _mm256_set1_epi32(four)), ones));
+          __m256i xs4 = _mm256_set1_epi32(four);
+          if constexpr (Bits == 8) xs4 = _mm256_sign_epi8(xs4, signs[i]);
+          sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(steps[i], xs4), ones));
         }
+        if constexpr (Bits == 8) sums = _mm256_add_epi32(sums, shifted_sums[r]);
         const float* s = xs + r * xs_stride + 2 * b;
         total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dv, _mm256_set1_ps(s[0])), total[r][h]);
         total[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(s[1]), total[r][h]);
@@ -593,12 +627,17 @@ void q4_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stri
         int32_t sum = 0;
         for (int i = 0; i < 8; ++i)
           for (int j = 0; j < 4; ++j) {
-            const uint8_t byte = w[b * kQBlockBytes + (i % 4) * 64 + c * 4 + j];
-            const int32_t q = i < 4 ? (byte & 0x0F) : (byte >> 4);
+            int32_t q;
+            if constexpr (Bits == 4) {
+              const uint8_t byte = w[b * block_bytes(Bits) + (i % 4) * 64 + c * 4 + j];
+              q = i < 4 ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              q = w[b * block_bytes(Bits) + i * 64 + c * 4 + j];
+            }
             sum += q * static_cast<int32_t>(x[r * x_stride + b * kQBlock + 4 * i + j]);
           }
         const float* s = xs + r * xs_stride + 2 * b;
-        const c10::Half* d = reinterpret_cast<const c10::Half*>(w + b * kQBlockBytes + kQNibbleBytes);
+        const c10::Half* d = reinterpret_cast<const c10::Half*>(w + b * block_bytes(Bits) + weight_bytes(Bits));
         total = std::fma(static_cast<float>(sum), static_cast<float>(d[c]) * s[0], total);
         total = std::fma(static_cast<float>(d[kBlock + c]), s[1], total);
       }
@@ -607,25 +646,28 @@ void q4_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_stri
 #endif
 }
 
-// A 4-bit block linear layer as Q4Linear holds it: blocks [N/16][K/32][kQBlockBytes] (512
-// nibbles, then 16 d and 16 m in float16) and an optional bias. The same calls as Int8Layer:
-// quantize the rows, then multiply (xq holds the int8 rows, scales each row's block scales).
-struct Q4Layer {
+// A block linear layer as BlockLinear holds it: blocks [N/16][K/32][block_bytes(bits)] (the
+// weights, then 16 d and 16 m in float16; 4 or 8 bits a weight, by the block's size) and an
+// optional bias. The same calls as Int8Layer: quantize the rows, then multiply (xq holds the
+// int8 rows, scales each row's block scales).
+struct BlockLayer {
   const uint8_t* packed;
   const float* bias;
   int64_t blocks, k_blocks, n;
+  int bits;
 
-  Q4Layer(const torch::Tensor& packed_, const torch::Tensor& bias_, int64_t n_)
+  BlockLayer(const torch::Tensor& packed_, const torch::Tensor& bias_, int64_t n_)
       : packed(packed_.data_ptr<uint8_t>()), bias(bias_.defined() && bias_.numel() ? bias_.data_ptr<float>() : nullptr),
-        blocks(packed_.size(0)), k_blocks(packed_.size(1)), n(n_) {
-    TORCH_CHECK(packed_.dtype() == torch::kUInt8 && packed_.dim() == 3 && packed_.size(2) == kQBlockBytes, "bad packed 4-bit weights");
+        blocks(packed_.size(0)), k_blocks(packed_.size(1)), n(n_), bits(packed_.size(2) == block_bytes(8) ? 8 : 4) {
+    TORCH_CHECK(packed_.dtype() == torch::kUInt8 && packed_.dim() == 3 && (packed_.size(2) == block_bytes(4) || packed_.size(2) == block_bytes(8)),
+                "bad packed block weights");
   }
 
   int64_t k_pad() const { return k_blocks * kQBlock; }
 
   template <typename MakeRow>
   void quantize(int64_t rows, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& scales) const {
-    TORCH_CHECK(k_pad() == round_up(k, kQBlock), "packed 4-bit weights do not match the input");
+    TORCH_CHECK(k_pad() == round_up(k, kQBlock), "packed block weights do not match the input");
     at_least(xq, rows * k_pad());
     at_least(scales, rows * 2 * k_blocks);
     at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
@@ -638,15 +680,21 @@ struct Q4Layer {
   }
 
   void multiply(const std::vector<uint8_t>& xq, const std::vector<float>& scales, int64_t rows, float* out) const {
-    TORCH_CHECK(blocks * kBlock >= n, "packed 4-bit weights do not match the output");
+    if (bits == 8) return multiply_bits<8>(xq, scales, rows, out);
+    multiply_bits<4>(xq, scales, rows, out);
+  }
+
+  template <int Bits>
+  void multiply_bits(const std::vector<uint8_t>& xq, const std::vector<float>& scales, int64_t rows, float* out) const {
+    TORCH_CHECK(blocks * kBlock >= n, "packed block weights do not match the output");
     const int8_t* x = reinterpret_cast<const int8_t*>(xq.data());
     at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
       float sums[kQRows * kBlock];
       for (int64_t blk = first; blk < last; ++blk) {
-        const uint8_t* w = packed + blk * k_blocks * kQBlockBytes;
+        const uint8_t* w = packed + blk * k_blocks * block_bytes(Bits);
         in_row_groups(rows, kQRows, [&](int64_t r0, int count) {
           with_rows<kQRows>(count, [&](auto r) {
-            q4_rows<decltype(r)::value>(x + r0 * k_pad(), k_pad(), scales.data() + r0 * 2 * k_blocks, 2 * k_blocks, w, k_blocks, sums);
+            block_rows<decltype(r)::value, Bits>(x + r0 * k_pad(), k_pad(), scales.data() + r0 * 2 * k_blocks, 2 * k_blocks, w, k_blocks, sums);
           });
           for (int r = 0; r < count; ++r)
             for (int64_t c = 0; c < kBlock && blk * kBlock + c < n; ++c) {
@@ -659,9 +707,9 @@ struct Q4Layer {
   }
 };
 
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "q4_linear takes float32 [M, K]");
-  return apply_layer(Q4Layer(packed, bias.value_or(torch::Tensor()), n), x, n);
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "block_linear takes float32 [M, K]");
+  return apply_layer(BlockLayer(packed, bias.value_or(torch::Tensor()), n), x, n);
 }
 
 #if defined(__AVX512F__)
@@ -1364,7 +1412,7 @@ struct LayerWeights {
 // of the default verifier; trees and batched steps stay far below).
 constexpr size_t kKeptElements = size_t(1) << 20;
 
-// One Llama-family decoder layer with int8 or 4-bit block linears over T new tokens x [T, hidden]:
+// One Llama-family decoder layer with int8 or block linears over T new tokens x [T, hidden]:
 //   x += o(attention(rotary(q, k), v)) with q|k|v = qkv(norm_in(x)), k and v written to the cache;
 //   x += down(silu(gate) * (up + delta)) with gate|up = gate_up(norm_post(x)),
 // the weights those of `layer`. The rows are segments, one per
@@ -1373,11 +1421,11 @@ constexpr size_t kKeptElements = size_t(1) << 20;
 // Every row's result depends on that row and its own cache alone, so sequences batched
 // together get exactly what each gets alone. Returns the new x.
 // A linear layer of a LayerWeights: its five tensors from index i (Int8Layer: packed, sums,
-// scale, bias, smoothing; Q4Layer: packed, bias, then three unused).
+// scale, bias, smoothing; BlockLayer: packed, bias, then three unused).
 template <typename Layer>
 Layer layer_linear(const std::vector<torch::Tensor>& weights, int i, int64_t width) {
-  if constexpr (std::is_same_v<Layer, Q4Layer>) {
-    return Q4Layer(weights[i], weights[i + 1], width);
+  if constexpr (std::is_same_v<Layer, BlockLayer>) {
+    return BlockLayer(weights[i], weights[i + 1], width);
   } else {
     return Int8Layer(weights[i], weights[i + 1], weights[i + 2], weights[i + 3], weights[i + 4], width);
   }
@@ -1466,13 +1514,13 @@ torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::T
   return out;
 }
 
-// One Llama-family decoder layer with int8 or 4-bit block linears (decoder_layer), by the
-// layer's packed weights: int8 for int8, uint8 nibbles for 4-bit blocks.
+// One Llama-family decoder layer with int8 or block linears (decoder_layer), by the layer's
+// packed weights: int8 for int8, uint8 blocks for block formats.
 torch::Tensor native_decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::Tensor cos, torch::Tensor sin,
                                    std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> starts,
                                    std::vector<int64_t> counts, std::vector<torch::Tensor> masks, int64_t heads,
                                    c10::optional<torch::Tensor> delta) {
-  const auto run = layer.weights[1].dtype() == torch::kUInt8 ? &decoder_layer<Q4Layer> : &decoder_layer<Int8Layer>;
+  const auto run = layer.weights[1].dtype() == torch::kUInt8 ? &decoder_layer<BlockLayer> : &decoder_layer<Int8Layer>;
   return run(x, layer, cos, sin, keys, values, starts, counts, masks, heads, delta);
 }
 
@@ -1490,6 +1538,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("int8_linear", &int8_linear, unlocked);
   module.def("attention", &attention, unlocked);
   py::class_<LayerWeights>(module, "LayerWeights").def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, double>());
-  module.def("q4_linear", &q4_linear, unlocked);
+  module.def("block_linear", &block_linear, unlocked);
   module.def("native_decoder_layer", &native_decoder_layer, unlocked);
 }

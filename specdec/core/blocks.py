@@ -1,10 +1,12 @@
-"""The 4-bit block weight formats `q4_0` and `q4_1`: GGUF's Q4_0 and Q4_1 blocks, kept as blocks.
+"""The block weight formats `q4_0`, `q4_1` and `q8_0`: GGUF's Q4_0, Q4_1 and Q8_0 blocks, kept as blocks.
 
-Along each row of a weight matrix, every 32 weights form a block w = d q + m, q in [0, 15],
-with one float16 d and m per block (Q4_0 is symmetric: m = -8 d). A step of a memory-bound
-decoder reads 0.625 bytes a weight instead of int8's one. A weight matrix is quantized to
-blocks the way llama.cpp's reference quantizers do, so the dequantized weights of a Q4_0 or
-Q4_1 GGUF file give its own blocks back: the model served is the file's model as written.
+Along each row of a weight matrix, every 32 weights form a block w = d q + m with one float16
+d and m per block: q in [0, 15] for the 4-bit formats (Q4_0 is symmetric: m = -8 d), and for
+Q8_0, whose signed q in [-127, 127] is kept as q + 128 in [0, 255], m = -128 d. A step of a
+memory-bound decoder reads 0.625 bytes a weight (4 bits) or 1.125 (8 bits) instead of int8's
+one. A weight matrix is quantized to blocks the way llama.cpp's reference quantizers do, so the
+dequantized weights of a GGUF file in one of these formats give its own blocks back: the model
+served is the file's model as written.
 
 Activations are int8 in blocks of 32 with a scale each (as GGUF's Q8 activations), so
   sum x w = sum over blocks of float(sum q xq) (d s) + m (s sum xq),
@@ -17,7 +19,7 @@ import torch
 
 from specdec.core.kernels import native
 
-Q4_FORMATS = ("q4_0", "q4_1")
+BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
 BLOCK = 32  # weights per block along a row
 _CHANNELS = 16  # output channels per packed group: one vector of the native kernel
 _TINY = 1e-12  # the smallest activation scale: an all-zero block quantizes to zeros
@@ -26,10 +28,18 @@ _TINY = 1e-12  # the smallest activation scale: an all-zero block quantizes to z
 def quantize_blocks(weight: torch.Tensor, block_format: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 [N, K'], d float16 [N, K'/32], m float16 [N, K'/32]) for float weights [N, K];
     K' is K padded to whole blocks with zero weights."""
-    if block_format not in Q4_FORMATS:
-        raise ValueError(f"4-bit block formats are {', '.join(Q4_FORMATS)}, not {block_format}")
+    if block_format not in BLOCK_FORMATS:
+        raise ValueError(f"block formats are {', '.join(BLOCK_FORMATS)}, not {block_format}")
     n, k = weight.shape
     blocks = torch.nn.functional.pad(weight.float(), (0, -k % BLOCK)).view(n, -1, BLOCK)
+    if block_format == "q8_0":  # d = max |w| / 127, q = round(w / d), half away from zero
+        d = blocks.abs().amax(-1) / 127
+        inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        scaled = blocks * inverse[..., None]
+        whole = scaled.trunc()  # C's roundf, exactly: the fraction decides (x + 0.5 would round first)
+        q = (whole + ((scaled - whole).abs() >= 0.5) * scaled.sign()).to(torch.int32) + 128
+        d16 = d.half()
+        return q.to(torch.uint8).view(n, -1), d16, d16 * -128
     if block_format == "q4_1":  # d = (max - min) / 15, m = min
         low, high = blocks.amin(-1), blocks.amax(-1)
         d = (high - low) / 15
@@ -51,70 +61,85 @@ def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torc
     return (q.view(n, -1, BLOCK).float() * d.float()[..., None] + m.float()[..., None]).view(n, -1)
 
 
-def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The native kernel's layout, one stream of blocks [N/16, K/32, 320 bytes]: 16 channels'
-    256 bytes of nibbles (byte (i, c, j): input 4i + j of channel c in the low nibble, input
-    16 + 4i + j in the high one; the order VNNI's 4-way dot product reads), then their 16 d and
-    16 m in float16. Channels padded to 16 with zeros."""
+def weight_bytes(bits: int) -> int:
+    """The bytes of one packed block's weights: 16 channels x 32 weights."""
+    return bits * BLOCK * _CHANNELS // 8
+
+
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    """The native kernel's layout, one stream of blocks [N/16, K/32, bytes]: 16 channels'
+    weights in the order VNNI's 4-way dot product reads them, then their 16 d and 16 m in
+    float16. 8 bits: byte (i, c, j) is input 4i + j of channel c (512 bytes); 4 bits: the same
+    byte holds input 4i + j in its low nibble and 16 + 4i + j in its high one (256 bytes).
+    Channels padded to 16 with zeros."""
     n_pad = -q.shape[0] % _CHANNELS
     q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, n_pad)) for t in (q, d, m))
     groups, k_blocks = q.shape[0] // _CHANNELS, d.shape[1]
     steps = q.view(groups, _CHANNELS, k_blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [groups, blocks, step, channel, 4]
-    nibbles = (steps[:, :, :4] | (steps[:, :, 4:] << 4)).reshape(groups, k_blocks, 256)
+    if bits == 4:
+        steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
+    weights = steps.reshape(groups, k_blocks, weight_bytes(bits))
     scales = [t.view(groups, _CHANNELS, k_blocks).transpose(1, 2).contiguous().view(torch.uint8) for t in (d, m)]
-    return torch.cat([nibbles, *scales], dim=-1).contiguous()
+    return torch.cat([weights, *scales], dim=-1).contiguous()
+
+
+def packed_bits(packed: torch.Tensor) -> int:
+    """The bits a weight of a packed tensor takes."""
+    return 8 if packed.shape[-1] == weight_bytes(8) + 4 * _CHANNELS else 4
 
 
 def unpack(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pack's inverse, (q, d, m) of the first n channels."""
     groups, k_blocks = packed.shape[:2]
-    nibbles = packed[..., :256].reshape(groups, k_blocks, 4, _CHANNELS, 4)
-    steps = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)  # [groups, blocks, 8, channel, 4]
+    size = weight_bytes(packed_bits(packed))
+    steps = packed[..., :size].reshape(groups, k_blocks, size // 64, _CHANNELS, 4)
+    if size == weight_bytes(4):
+        steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)  # [groups, blocks, 8, channel, 4]
     q = steps.permute(0, 3, 1, 2, 4).reshape(groups * _CHANNELS, k_blocks * BLOCK)
-    d, m = (packed[..., start : start + 32].contiguous().view(torch.float16) for start in (256, 288))
+    d, m = (packed[..., start : start + 32].contiguous().view(torch.float16) for start in (size, size + 32))
     by_channel = lambda t: t.transpose(1, 2).reshape(groups * _CHANNELS, k_blocks)  # noqa: E731
     return q[:n].contiguous(), by_channel(d)[:n].contiguous(), by_channel(m)[:n].contiguous()
 
 
-class Q4Linear(torch.nn.Module):
-    """A linear layer with 4-bit block weights and int8 block activations (module docstring).
+class BlockLinear(torch.nn.Module):
+    """A linear layer with block weights and int8 block activations (module docstring).
     On a CPU with the native kernels they multiply there; elsewhere the same sums and scales run
     as torch ops, equal to rounding (the kernel fuses its multiply-adds). Each path on its own
     gives a row the same result whatever else its pass holds."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, in_features: int):
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, in_features: int, bits: int):
         super().__init__()
         self.out_features, self.in_features = q.shape[0], in_features
-        self.register_buffer("packed", pack(q, d, m), persistent=False)
+        self.register_buffer("packed", pack(q, d, m, bits), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.kernels = native()
         self._unpacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the torch path's weights, made on first use
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, block_format: str) -> "Q4Linear":
+    def from_linear(cls, linear: torch.nn.Linear, block_format: str) -> "BlockLinear":
         q, d, m = quantize_blocks(linear.weight.detach(), block_format)
         bias = None if linear.bias is None else linear.bias.detach().float()
-        return cls(q, d, m, bias, linear.in_features)
+        return cls(q, d, m, bias, linear.in_features, 8 if block_format == "q8_0" else 4)
 
     @classmethod
-    def side_by_side(cls, parts: list["Q4Linear"]) -> "Q4Linear":
-        """One layer computing several of the same input (q|k|v, gate|up)."""
+    def side_by_side(cls, parts: list["BlockLinear"]) -> "BlockLinear":
+        """One layer computing several of the same input (q|k|v, gate|up), all of one format."""
         blocks = [unpack(p.packed, p.out_features) for p in parts]
         biases = [p.bias for p in parts]
         bias = None if biases[0] is None else torch.cat(biases)
-        return cls(*(torch.cat(column) for column in zip(*blocks)), bias, parts[0].in_features)
+        return cls(*(torch.cat(column) for column in zip(*blocks)), bias, parts[0].in_features, packed_bits(parts[0].packed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         if self.kernels is not None and rows.device.type == "cpu":
-            out = self.kernels.q4_linear(rows, self.packed, self.bias, self.out_features)
+            out = self.kernels.block_linear(rows, self.packed, self.bias, self.out_features)
         else:
             out = self._torch_forward(rows)
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def _torch_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """The native kernel's arithmetic in torch ops: the same integer sums (exact in float32:
-        32 products of at most 15 * 127), each row's blocks added in order, without fused
+        32 products of at most 255 * 127), each row's blocks added in order, without fused
         multiply-adds."""
         if self._unpacked is None:
             q, d, m = unpack(self.packed, self.out_features)
