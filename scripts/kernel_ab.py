@@ -6,9 +6,10 @@ paired ratios new/base with its quartiles.
 
     .venv/bin/python scripts/kernel_ab.py --base HEAD~1 --tokens 1,9,17 --context 200 --pairs 40
 
-`--contention BUSY_MS,IDLE_MS` runs a second process meanwhile that keeps one core busy for
-BUSY_MS every BUSY_MS + IDLE_MS, as a served verifier's neighbours on the machine do (the
-drafter, the coordinator, Ray).
+`--contention BUSY_MS,IDLE_MS` adds a second process that keeps one core busy for BUSY_MS every
+BUSY_MS + IDLE_MS, as a served verifier's neighbours on the machine do (the drafter, the
+coordinator, Ray): every forward is then taken twice, with the neighbour running and stopped,
+in turn, and the builds compare under it; each build's rows also give the paired slowdown.
 
 `--base` and `--new` name git revisions of specdec/core/kernels/engine_cpu.cpp; `--new`
 defaults to the working tree. Both builds must pack weights alike (checked: the model's
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -75,7 +77,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=40, help="forwards per build and k")
     parser.add_argument("--config", default=None, help="YAML config whose verifier is measured")
     parser.add_argument("--contention", default=None, metavar="BUSY_MS,IDLE_MS",
-                        help="a process busy BUSY_MS of every BUSY_MS + IDLE_MS on one core meanwhile")
+                        help="a process busy BUSY_MS of every BUSY_MS + IDLE_MS on one core, stopped for every other forward")
     parser.add_argument("--out", default="runs/kernel_ab.json")
     args = parser.parse_args()
     busy_ms, idle_ms = (float(v) for v in args.contention.split(",")) if args.contention else (0.0, 0.0)
@@ -95,34 +97,46 @@ def main() -> None:
         layers[name] = engine._native_layers(model.config)
     tokens = [int(k) for k in args.tokens.split(",")]
     ids = torch.randint(1000, 40000, (args.context + max(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
-    times: dict[tuple[str, int], list[float]] = {(name, k): [] for name in builds for k in tokens}
+    conditions = ("busy", "quiet") if args.contention else ("quiet",)
+    times: dict[tuple[str, int, str], list[float]] = {(name, k, c): [] for name in builds for k in tokens for c in conditions}
     contender = contend(busy_ms, idle_ms) if args.contention else None
     with torch.inference_mode():
         cache = engine.new_cache()
         engine(cache, ids[: args.context])
         for pair in tqdm(range(args.pairs + 2), desc="pairs", unit="pair"):
             for k in tokens:
-                for name in ("base", "new") if pair % 2 else ("new", "base"):
-                    kernels = builds[name]
-                    use(kernels)
-                    engine.native_layers, engine.lm_head.kernels = layers[name], kernels
-                    cache.truncate(args.context)
-                    start = time.perf_counter()
-                    engine(cache, ids[args.context : args.context + k], num_logits=k)
-                    if pair >= 2:  # the first two warm caches and allocators
-                        times[(name, k)].append((time.perf_counter() - start) * 1e3)
+                for condition in conditions if pair % 2 else conditions[::-1]:
+                    if contender is not None:
+                        contender.send_signal(signal.SIGCONT if condition == "busy" else signal.SIGSTOP)
+                    for name in ("base", "new") if pair % 2 else ("new", "base"):
+                        kernels = builds[name]
+                        use(kernels)
+                        engine.native_layers, engine.lm_head.kernels = layers[name], kernels
+                        cache.truncate(args.context)
+                        start = time.perf_counter()
+                        engine(cache, ids[args.context : args.context + k], num_logits=k)
+                        if pair >= 2:  # the first two warm caches and allocators
+                            times[(name, k, condition)].append((time.perf_counter() - start) * 1e3)
     if contender is not None:
         contender.kill()
     rows = []
+    compared = conditions[0]  # under the neighbour, when there is one
     for k in tokens:
-        base, new = times[("base", k)], times[("new", k)]
+        base, new = times[("base", k, compared)], times[("new", k, compared)]
         low, ratio, high = quartiles([b / a for a, b in zip(base, new)])
-        rows.append({"tokens": k, "context": args.context, "base_ms": statistics.median(base), "new_ms": statistics.median(new),
-                     "new_over_base": ratio, "quartiles": [low, high],
-                     "base_x_one_token": statistics.median(base) / statistics.median(times[("base", tokens[0])]),
-                     "new_x_one_token": statistics.median(new) / statistics.median(times[("new", tokens[0])])})
-        print(f"k={k:3d}: base {rows[-1]['base_ms']:7.2f} ms  new {rows[-1]['new_ms']:7.2f} ms  "
-              f"new/base {ratio:.3f} [{low:.3f}, {high:.3f}]")
+        row = {"tokens": k, "context": args.context, "base_ms": statistics.median(base), "new_ms": statistics.median(new),
+               "new_over_base": ratio, "quartiles": [low, high],
+               "base_x_one_token": statistics.median(base) / statistics.median(times[("base", tokens[0], compared)]),
+               "new_x_one_token": statistics.median(new) / statistics.median(times[("new", tokens[0], compared)])}
+        line = f"k={k:3d}: base {row['base_ms']:7.2f} ms  new {row['new_ms']:7.2f} ms  new/base {ratio:.3f} [{low:.3f}, {high:.3f}]"
+        if args.contention:
+            for name in builds:
+                busy, quiet = times[(name, k, "busy")], times[(name, k, "quiet")]
+                row[f"{name}_quiet_ms"] = statistics.median(quiet)
+                row[f"{name}_busy_over_quiet"] = quartiles([b / q for b, q in zip(busy, quiet)])[1]
+                line += f"  {name} busy/quiet {row[f'{name}_busy_over_quiet']:.3f} (quiet {row[f'{name}_quiet_ms']:.2f} ms)"
+        rows.append(row)
+        print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"base": args.base, "new": args.new or "working tree", "contention": args.contention, "rows": rows}
