@@ -6,10 +6,11 @@ paired ratios new/base with its quartiles.
 
     .venv/bin/python scripts/kernel_ab.py --base HEAD~1 --tokens 1,9,17 --context 200 --pairs 40
 
-`--contention BUSY_MS,IDLE_MS` adds a second process that keeps one core busy for BUSY_MS every
-BUSY_MS + IDLE_MS, as a served verifier's neighbours on the machine do (the drafter, the
-coordinator, Ray): every forward is then taken twice, with the neighbour running and stopped,
-in turn, and the builds compare under it; each build's rows also give the paired slowdown.
+`--contention BUSY_MS,IDLE_MS[,NICE]` adds a second process that keeps one core busy for BUSY_MS
+every BUSY_MS + IDLE_MS (at niceness NICE, default 0), as a served verifier's neighbours on the
+machine do (the drafter, the coordinator, Ray): every forward is then taken twice, with the
+neighbour running and stopped, in turn, and the builds compare under it; each build's rows also
+give the paired slowdown.
 
 `--base` and `--new` name git revisions of specdec/core/kernels/engine_cpu.cpp; `--new`
 defaults to the working tree. Both builds must pack weights alike (checked: the model's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import signal
 import subprocess
@@ -51,8 +53,8 @@ def source_at(revision: str | None) -> str:
     return subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
 
 
-def contend(busy_ms: float, idle_ms: float) -> subprocess.Popen:
-    """A process that spins for busy_ms, then sleeps for idle_ms, until killed."""
+def contend(busy_ms: float, idle_ms: float, niceness: int = 0) -> subprocess.Popen:
+    """A process at `niceness` that spins for busy_ms, then sleeps for idle_ms, until killed."""
     loop = (
         "import time\n"
         "while True:\n"
@@ -60,7 +62,7 @@ def contend(busy_ms: float, idle_ms: float) -> subprocess.Popen:
         "    while time.perf_counter() < end: pass\n"
         f"    time.sleep({idle_ms / 1e3})\n"
     )
-    return subprocess.Popen([sys.executable, "-c", loop])
+    return subprocess.Popen([sys.executable, "-c", loop], preexec_fn=lambda: os.nice(niceness))
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -76,11 +78,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="committed context length")
     parser.add_argument("--pairs", type=int, default=40, help="forwards per build and k")
     parser.add_argument("--config", default=None, help="YAML config whose verifier is measured")
-    parser.add_argument("--contention", default=None, metavar="BUSY_MS,IDLE_MS",
+    parser.add_argument("--contention", default=None, metavar="BUSY_MS,IDLE_MS[,NICE]",
                         help="a process busy BUSY_MS of every BUSY_MS + IDLE_MS on one core, stopped for every other forward")
     parser.add_argument("--out", default="runs/kernel_ab.json")
     args = parser.parse_args()
-    busy_ms, idle_ms = (float(v) for v in args.contention.split(",")) if args.contention else (0.0, 0.0)
+    busy_ms, idle_ms, *niceness = (float(v) for v in args.contention.split(",")) if args.contention else (0.0, 0.0)
 
     builds = {"base": build(source_at(args.base)), "new": build(source_at(args.new))}
     probe = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
@@ -99,7 +101,7 @@ def main() -> None:
     ids = torch.randint(1000, 40000, (args.context + max(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
     conditions = ("busy", "quiet") if args.contention else ("quiet",)
     times: dict[tuple[str, int, str], list[float]] = {(name, k, c): [] for name in builds for k in tokens for c in conditions}
-    contender = contend(busy_ms, idle_ms) if args.contention else None
+    contender = contend(busy_ms, idle_ms, int(niceness[0]) if niceness else 0) if args.contention else None
     with torch.inference_mode():
         cache = engine.new_cache()
         engine(cache, ids[: args.context])
