@@ -464,13 +464,15 @@ constexpr int64_t kQBlock = 32;  // weights per block along K
 // 512 bytes), then their 16 d and 16 m in float16.
 constexpr int64_t weight_bytes(int bits) { return bits * kQBlock * kBlock / 8; }
 constexpr int64_t block_bytes(int bits) { return weight_bytes(bits) + 2 * kBlock * 2; }
+// Per block of a row's activations: its scale s, s sum(xq), and sum(xq) (exact in a float).
+constexpr int64_t kBlockScales = 3;
 #if defined(__AVX512VNNI__) || !defined(__AVX2__)
 constexpr int kQRows = 8;  // rows a pass over the weights serves (their sums stay in registers)
 #else
 constexpr int kQRows = 2;
 #endif
 
-// One row's activations, quantized: xq (k_pad int8) and, per block, its scale s and s sum(xq):
+// One row's activations, quantized: xq (k_pad int8) and, per block, kBlockScales values:
 // s = max|x| / 127 over the block, xq = round(x / s), the operations of BlockLinear's torch path.
 void quantize_blocks(const float* x, int64_t k, int64_t k_pad, int8_t* xq, float* block_scales) {
   for (int64_t b = 0; b * kQBlock < k_pad; ++b) {
@@ -503,8 +505,9 @@ void quantize_blocks(const float* x, int64_t k, int64_t k_pad, int8_t* xq, float
       sum += q;
     }
 #endif
-    block_scales[2 * b] = scale;
-    block_scales[2 * b + 1] = scale * static_cast<float>(sum);
+    block_scales[kBlockScales * b] = scale;
+    block_scales[kBlockScales * b + 1] = scale * static_cast<float>(sum);
+    block_scales[kBlockScales * b + 2] = static_cast<float>(sum);
   }
 }
 
@@ -548,7 +551,7 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
         std::memcpy(&four, xb + 4 * i, 4);
         sums[i % 2] = _mm512_dpbusd_epi32(sums[i % 2], steps[i], _mm512_set1_epi32(four));
       }
-      const float* s = xs + r * xs_stride + 2 * b;
+      const float* s = xs + r * xs_stride + kBlockScales * b;
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[0], sums[1]));
       total[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dv, _mm512_set1_ps(s[0])), total[r]);
       total[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(s[1]), total[r]);
@@ -563,7 +566,7 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
   // added back. Channels 0-7 and 8-15 in two halves.
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), byte_ones = _mm256_set1_epi8(1);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
   constexpr int64_t kBytes = block_bytes(Bits);
   for (int64_t b = 0; b < k_blocks; ++b) {
@@ -571,17 +574,6 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
     const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + weight_bytes(Bits));
     const c10::Half* m = d + kBlock;
     for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kBytes + 64 * line), _MM_HINT_T0);
-    __m256i shifted_sums[R];  // 8 bits: 128 sum(xq) of each row's block, in every lane
-    if constexpr (Bits == 8) {
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * x_stride + b * kQBlock));
-        __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(byte_ones, xv), ones);
-        sum = _mm256_add_epi32(sum, _mm256_shuffle_epi32(sum, 0x4E));
-        sum = _mm256_add_epi32(sum, _mm256_shuffle_epi32(sum, 0xB1));
-        sum = _mm256_add_epi32(sum, _mm256_permute2x128_si256(sum, sum, 1));
-        shifted_sums[r] = _mm256_slli_epi32(sum, 7);
-      }
-    }
     for (int h = 0; h < 2; ++h) {
       __m256i steps[8], signs[8];
       if constexpr (Bits == 4) {
@@ -608,8 +600,8 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
           if constexpr (Bits == 8) xs4 = _mm256_sign_epi8(xs4, signs[i]);
           sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(steps[i], xs4), ones));
         }
-        if constexpr (Bits == 8) sums = _mm256_add_epi32(sums, shifted_sums[r]);
-        const float* s = xs + r * xs_stride + 2 * b;
+        const float* s = xs + r * xs_stride + kBlockScales * b;
+        if constexpr (Bits == 8) sums = _mm256_add_epi32(sums, _mm256_set1_epi32(128 * static_cast<int32_t>(s[2])));
         total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dv, _mm256_set1_ps(s[0])), total[r][h]);
         total[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(s[1]), total[r][h]);
       }
@@ -636,7 +628,7 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
             }
             sum += q * static_cast<int32_t>(x[r * x_stride + b * kQBlock + 4 * i + j]);
           }
-        const float* s = xs + r * xs_stride + 2 * b;
+        const float* s = xs + r * xs_stride + kBlockScales * b;
         const c10::Half* d = reinterpret_cast<const c10::Half*>(w + b * block_bytes(Bits) + weight_bytes(Bits));
         total = std::fma(static_cast<float>(sum), static_cast<float>(d[c]) * s[0], total);
         total = std::fma(static_cast<float>(d[kBlock + c]), s[1], total);
@@ -669,12 +661,12 @@ struct BlockLayer {
   void quantize(int64_t rows, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& scales) const {
     TORCH_CHECK(k_pad() == round_up(k, kQBlock), "packed block weights do not match the input");
     at_least(xq, rows * k_pad());
-    at_least(scales, rows * 2 * k_blocks);
+    at_least(scales, rows * kBlockScales * k_blocks);
     at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
       std::vector<float> row(k);
       for (int64_t r = first; r < last; ++r) {
         make_row(r, row.data());
-        quantize_blocks(row.data(), k, k_pad(), reinterpret_cast<int8_t*>(xq.data()) + r * k_pad(), scales.data() + r * 2 * k_blocks);
+        quantize_blocks(row.data(), k, k_pad(), reinterpret_cast<int8_t*>(xq.data()) + r * k_pad(), scales.data() + r * kBlockScales * k_blocks);
       }
     });
   }
@@ -694,7 +686,7 @@ struct BlockLayer {
         const uint8_t* w = packed + blk * k_blocks * block_bytes(Bits);
         in_row_groups(rows, kQRows, [&](int64_t r0, int count) {
           with_rows<kQRows>(count, [&](auto r) {
-            block_rows<decltype(r)::value, Bits>(x + r0 * k_pad(), k_pad(), scales.data() + r0 * 2 * k_blocks, 2 * k_blocks, w, k_blocks, sums);
+            block_rows<decltype(r)::value, Bits>(x + r0 * k_pad(), k_pad(), scales.data() + r0 * kBlockScales * k_blocks, kBlockScales * k_blocks, w, k_blocks, sums);
           });
           for (int r = 0; r < count; ++r)
             for (int64_t c = 0; c < kBlock && blk * kBlock + c < n; ++c) {
