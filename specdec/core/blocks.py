@@ -34,7 +34,7 @@ def quantize_blocks(weight: torch.Tensor, block_format: str) -> tuple[torch.Tens
     blocks = torch.nn.functional.pad(weight.float(), (0, -k % BLOCK)).view(n, -1, BLOCK)
     if block_format == "q8_0":  # d = max |w| / 127, q = round(w / d), half away from zero
         d = blocks.abs().amax(-1) / 127
-        inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        inverse = _inverse(d)
         scaled = blocks * inverse[..., None]
         whole = scaled.trunc()  # C's roundf, exactly: the fraction decides (x + 0.5 would round first)
         q = (whole + ((scaled - whole).abs() >= 0.5) * scaled.sign()).to(torch.int32) + 128
@@ -43,16 +43,21 @@ def quantize_blocks(weight: torch.Tensor, block_format: str) -> tuple[torch.Tens
     if block_format == "q4_1":  # d = (max - min) / 15, m = min
         low, high = blocks.amin(-1), blocks.amax(-1)
         d = (high - low) / 15
-        inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        inverse = _inverse(d)
         q = ((blocks - low[..., None]) * inverse[..., None] + 0.5).to(torch.int32).clamp(max=15)
         return q.to(torch.uint8).view(n, -1), d.half(), low.half()
     # q4_0: d = (the weight of largest magnitude) / -8, q = round(w / d) + 8
     largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))[..., 0]
     d = largest / -8
-    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    inverse = _inverse(d)
     q = (blocks * inverse[..., None] + 8.5).to(torch.int32).clamp(max=15)
     d16 = d.half()
     return q.to(torch.uint8).view(n, -1), d16, d16 * -8
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, and 0 where d is 0 (a block of equal or zero weights)."""
+    return torch.where(d != 0, 1 / d, torch.zeros_like(d))
 
 
 def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -64,6 +69,11 @@ def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torc
 def weight_bytes(bits: int) -> int:
     """The bytes of one packed block's weights: 16 channels x 32 weights."""
     return bits * BLOCK * _CHANNELS // 8
+
+
+def block_bytes(bits: int) -> int:
+    """The bytes of one packed block: its weights, then 16 d and 16 m in float16."""
+    return weight_bytes(bits) + 2 * _CHANNELS * 2
 
 
 def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
@@ -85,7 +95,7 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.
 
 def packed_bits(packed: torch.Tensor) -> int:
     """The bits a weight of a packed tensor takes."""
-    return 8 if packed.shape[-1] == weight_bytes(8) + 4 * _CHANNELS else 4
+    return 8 if packed.shape[-1] == block_bytes(8) else 4
 
 
 def unpack(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,7 +106,7 @@ def unpack(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
     if size == weight_bytes(4):
         steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)  # [groups, blocks, 8, channel, 4]
     q = steps.permute(0, 3, 1, 2, 4).reshape(groups * _CHANNELS, k_blocks * BLOCK)
-    d, m = (packed[..., start : start + 32].contiguous().view(torch.float16) for start in (size, size + 32))
+    d, m = (packed[..., start : start + 2 * _CHANNELS].contiguous().view(torch.float16) for start in (size, size + 2 * _CHANNELS))
     by_channel = lambda t: t.transpose(1, 2).reshape(groups * _CHANNELS, k_blocks)  # noqa: E731
     return q[:n].contiguous(), by_channel(d)[:n].contiguous(), by_channel(m)[:n].contiguous()
 
