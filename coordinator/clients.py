@@ -43,6 +43,9 @@ class ServiceCall:
     steering_bytes: int = 0  # steering vector bytes this call carried
     feature_bytes: int = 0  # verifier feature bytes this call carried
     forward_passes: int = 0  # drafter model forwards this call ran
+    own_tokens_drafted: int = 0  # a drafter of another tokenizer: DraftResponse's counters
+    reencode_rollbacks: int = 0
+    mapping_ms: float = 0.0
     opened: bool = False  # the call (re)opened the session: its compute includes reading the context
     handler_ms: float = 0.0  # the whole call inside the service, its compute included
 
@@ -202,7 +205,8 @@ class ServicePair:
         if self.drafter_info.tokenizer_fingerprint and self.drafter_info.tokenizer_fingerprint != self.verifier_info.tokenizer_fingerprint:
             raise PairMismatch(
                 f"mismatched tokenizers: drafter '{self.drafter_info.model}' and verifier '{self.verifier_info.model}' "
-                "do not share one tokenizer, so the drafter's token ids mean nothing to the verifier"
+                "do not share one tokenizer, so the drafter's token ids mean nothing to the verifier; "
+                "set drafter.tokenizer: own in the config to draft across tokenizers (the drafter maps its drafts through text)"
             )
         drafter, verifier = self.drafter_info, self.verifier_info
         # A feature head drafts from the verifier's features alone: without them it cannot draft.
@@ -332,6 +336,8 @@ class PairSession:
         self._drafter_features = max(self._drafter_features, feature_count)
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
         call.feature_bytes, call.forward_passes = sent_features, reply.forward_passes
+        call.own_tokens_drafted, call.reencode_rollbacks = reply.own_tokens_drafted, reply.reencode_rollbacks
+        call.mapping_ms = reply.mapping_ms
         return reply, call
 
     @property

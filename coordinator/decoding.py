@@ -90,6 +90,9 @@ class Meter:
     overlap_hits: int = 0
     drafter_failures: int = 0
     draft_forward_passes: int = 0
+    draft_own_tokens: int = 0
+    draft_reencode_rollbacks: int = 0
+    draft_mapping_ms: float = 0.0
     accepted_counts: Counter = field(default_factory=Counter)  # speculative rounds by draft tokens accepted
     plan_rounds: Counter = field(default_factory=Counter)
     speculative_anatomy: Anatomy = field(default_factory=Anatomy)
@@ -101,6 +104,9 @@ class Meter:
             self.draft_compute_ms += call.compute_ms
             self.draft_wire_ms += call.overhead_ms
             self.draft_steering_ms += call.steering_ms
+            self.draft_own_tokens += call.own_tokens_drafted
+            self.draft_reencode_rollbacks += call.reencode_rollbacks
+            self.draft_mapping_ms += call.mapping_ms
         else:
             self.verify_compute_ms += call.compute_ms
             self.verify_wire_ms += call.overhead_ms
@@ -153,6 +159,9 @@ class Meter:
             feature_bytes=self.feature_bytes,
             drafter_failures=self.drafter_failures,
             draft_forward_passes=self.draft_forward_passes,
+            draft_own_tokens=self.draft_own_tokens,
+            draft_reencode_rollbacks=self.draft_reencode_rollbacks,
+            draft_mapping_ms=self.draft_mapping_ms,
             speculative_rounds=self.speculative_rounds,
             # Rounds accepting the draft token at depth d + 1: those that accepted more than d.
             accepted_per_position=[

@@ -39,7 +39,8 @@ class DrafterEngine:
         if verifier_fingerprint and info.fingerprint and verifier_fingerprint != info.fingerprint:
             raise invalid(
                 "mismatched tokenizers: verifier_tokenizer_fingerprint is not this drafter's "
-                f"({verifier_fingerprint} vs {info.fingerprint}); a pair must share one tokenizer"
+                f"({verifier_fingerprint} vs {info.fingerprint}); a pair must share one tokenizer, unless the drafter "
+                "maps its drafts (drafter.tokenizer: own, with the verifier's model as verifier.model)"
             )
         check_context(context, info.vocab_size, info.max_context, "start.context_token_ids")
         session = DrafterSession(
@@ -114,16 +115,17 @@ class DrafterEngine:
             if features is not None:
                 self.drafter.take_features(session, *features)
             self._commit(session, new_tokens)
-            start, forwards = time.perf_counter(), session.forward_passes
+            start, before = time.perf_counter(), _counters(session)
             context = session.tokens + list(assumed)
             steering_ms = self.drafter.begin_round(session, steering)
             try:
                 tree, confidence = yield from self._draft_after(session, context, shape, num_tokens, pick_excludes)
             finally:
                 self.drafter.end_round(session)
+            forwards, own_tokens, rollbacks, mapping_ms = (now - then for now, then in zip(_counters(session), before))
             draft = Draft(
-                tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, session.forward_passes - forwards,
-                confidence,
+                tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, forwards, confidence,
+                own_tokens, rollbacks, mapping_ms,
             )
             session.last_round, session.last_draft = round_number, draft
             return draft
@@ -146,3 +148,7 @@ class DrafterEngine:
                 return DraftTree(), []
             context.append(picked)
         return (yield from self.drafter.draft(session, context, shape, budget))
+
+
+def _counters(session: DrafterSession) -> tuple:
+    return session.forward_passes, session.own_tokens_drafted, session.reencode_rollbacks, session.mapping_ms

@@ -32,6 +32,10 @@ class Draft:
     steering_ms: float  # of compute_ms, turning the steering vector into deltas
     forward_passes: int
     confidence: list[float]  # per node, the chance the verifier accepts its path; [] = no estimate
+    # Drafting across tokenizers (drafter_service/cross_tokenizer_drafter.py); 0 otherwise.
+    own_tokens_drafted: int = 0  # tokens drafted in the drafter's own tokenizer
+    reencode_rollbacks: int = 0  # times the drafter's last tokens changed as committed text arrived
+    mapping_ms: float = 0.0  # of compute_ms, mapping between the tokenizers
 
 
 @dataclass
@@ -45,6 +49,9 @@ class DrafterSession:
     state: Any = None
     prompt_length: int = 0  # of tokens: the context it was opened with
     forward_passes: int = 0  # model forwards run for this session
+    own_tokens_drafted: int = 0  # across tokenizers: the counters of Draft's fields of the same names
+    reencode_rollbacks: int = 0
+    mapping_ms: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     # The last n-gram draft and its proposer, which learns from the tokens committed after it.
     lesson: tuple[NgramProposer, NgramDraft] | None = None

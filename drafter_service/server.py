@@ -85,6 +85,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             steering_ms=draft.steering_ms,
             forward_passes=draft.forward_passes,
             confidence=draft.confidence,
+            own_tokens_drafted=draft.own_tokens_drafted,
+            reencode_rollbacks=draft.reencode_rollbacks,
+            mapping_ms=draft.mapping_ms,
         )
 
     @reports_errors
@@ -95,13 +98,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 
-def _servicer(config, steering_checkpoint: str | None, limits: LimitsConfig) -> DrafterServicer:
+def _servicer(config, steering_checkpoint: str | None, limits: LimitsConfig, verifier_tokenizer: str | None = None) -> DrafterServicer:
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
         drafter_for,
         config.model, config.proposal_top_k, steering_checkpoint=steering_checkpoint, ngram=config.ngram,
-        staged_lookahead=config.staged_lookahead, limits=limits,
+        staged_lookahead=config.staged_lookahead, limits=limits, verifier_tokenizer=verifier_tokenizer,
     )
     return DrafterServicer(engine, compute)
 
@@ -113,11 +116,13 @@ def in_process(config, limits: LimitsConfig) -> InProcessClient:
 
 def start(
     config, steering_checkpoint: str | None = None, limits: LimitsConfig = LimitsConfig(), service_token: str = "", tls=None,
+    verifier_tokenizer: str | None = None,
 ) -> tuple[grpc.Server, int]:
     """Loads the model (and its half of a steering checkpoint) and starts serving it;
     returns (grpc server, bound port). With `service_token`, callers must show it; with `tls`
-    (ServiceTlsConfig), it speaks TLS only."""
-    servicer = _servicer(config, steering_checkpoint, limits)
+    (ServiceTlsConfig), it speaks TLS only. `verifier_tokenizer`: the verifier's model source,
+    for a drafter of another tokenizer (its drafts are mapped to the verifier's tokens)."""
+    servicer = _servicer(config, steering_checkpoint, limits, verifier_tokenizer)
     return start_model_server(
         lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), DRAFTER_SERVICE, config.host, config.port, limits,
         service_token, tls,

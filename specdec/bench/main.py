@@ -18,8 +18,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts",
         default=str(PACKAGED_PROMPTS),
-        help="Spec-Bench style JSONL (first turn is the prompt); only held-out questions (id %% 4 == 0, never trained on) are used, "
-        "round-robin across categories",
+        help="Spec-Bench style JSONL (first turn is the prompt), or 'humaneval' (its 164 problems, each asked for as a completion "
+        "of the function); only held-out questions (id %% 4 == 0, never trained on) are used, round-robin across categories",
     )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
@@ -59,6 +59,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--verifier-formats",
         help="comma-separated weight formats of the verifier (int8, q4_1, ...), each in a stack of its own (default: the "
         "config's); with two, rows are named FORMAT/NAME and each is compared with the verifier alone in its own format",
+    )
+    parser.add_argument(
+        "--in-process", action=argparse.BooleanOptionalAction, default=True,
+        help="the rows run in the bench's own process (hf_assisted, hf_generate, hf_generate_fp32, hf_prompt_lookup): "
+        "--no-in-process leaves them out (a 1.5B verifier's float32 generate() takes minutes a prompt)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", help="YAML config for the stack (models, placement, speculation)")

@@ -167,11 +167,12 @@ def run_speed(args, setup: BenchSetup) -> int:
         }
         address = args.address or start_beside(stack_args, args.port + j, j)
         clients[variant, source] = CoordinatorClient(address, server_token(config))
-    verifier = load_model(config.verifier.model)
-    assistant = args.hf_assistant or _hf_assistant(config.drafter.model.source)
-    drafter = load_model(dataclasses.replace(config.drafter.model, source=assistant))
-    served = config.verifier.model
-    verifier_fp32 = verifier if served.dtype == "float32" else load_model(dataclasses.replace(served, dtype="float32"))
+    served, verifier, drafter, verifier_fp32, assistant = config.verifier.model, None, None, None, None
+    if args.in_process:
+        verifier = load_model(served)
+        assistant = args.hf_assistant or _hf_assistant(config.drafter.model.source)
+        drafter = load_model(dataclasses.replace(config.drafter.model, source=assistant))
+        verifier_fp32 = verifier if served.dtype == "float32" else load_model(dataclasses.replace(served, dtype="float32"))
 
     def through_services(
         i: int, budget: int | None, temperature: float, shape: TreeShape | None = None, entry: str | None = None, adaptive: bool = False,
@@ -228,12 +229,12 @@ def run_speed(args, setup: BenchSetup) -> int:
         if args.adaptive:
             methods.append((named("adaptive"), variant, "adaptive", sources[0], None, None,
                             lambda i, t, v=variant: through_services(i, None, t, adaptive=True, variant=v)))
-    if any(is_model_free(s) or s == "hybrid" for s in sources):
+    if args.in_process and any(is_model_free(s) or s == "hybrid" for s in sources):
         methods.append(("hf_prompt_lookup", None, "hf_prompt_lookup", None, None, None,
                         lambda i, t: in_process(i, verifier, False, t, prompt_lookup=True)))
     gguf = verifier_gguf(served.source)
     if gguf is not None and llama_cpp_installed():  # the CPU anchor: llama.cpp on the same file
-        eos = set(eos_token_ids(verifier, tokenizer))
+        eos = set(eos_token_ids(verifier, tokenizer) if verifier is not None else [tokenizer.eos_token_id])
         for name, lookup in (("llama_cpp", False), ("llama_cpp_prompt_lookup", True)):
             decoder = LlamaCppDecoder(gguf, torch.get_num_threads(), eos, prompt_lookup=lookup)
             methods.append((name, None, name, None, None, None,
@@ -242,7 +243,7 @@ def run_speed(args, setup: BenchSetup) -> int:
         ("hf_assisted", None, "hf_assisted", assistant, None, None, lambda i, t: in_process(i, verifier, True, t)),
         ("hf_generate", None, "hf_generate", None, None, None, lambda i, t: in_process(i, verifier, False, t)),
         ("hf_generate_fp32", None, "hf_generate_fp32", None, None, None, lambda i, t: in_process(i, verifier_fp32, False, t)),
-    ]
+    ] if args.in_process else []
     results = []
     try:
         if ORACLE in sources:  # the verifier alone's greedy continuations, through the first stack, untimed
@@ -281,8 +282,8 @@ def run_speed(args, setup: BenchSetup) -> int:
                     "draft_forwards_per_round": tally.draft_forward_passes / tally.speculative_rounds if tally.speculative_rounds else None,
                     "drafter_failures": tally.drafter_failures,
                     "vs_autoregressive": tally.ratio_to(alone),
-                    "vs_hf_assisted": tally.ratio_to(tallies["hf_assisted"]),
-                    "vs_hf_generate_fp32": tally.ratio_to(tallies["hf_generate_fp32"]),
+                    "vs_hf_assisted": tally.ratio_to(tallies["hf_assisted"]) if args.in_process else None,
+                    "vs_hf_generate_fp32": tally.ratio_to(tallies["hf_generate_fp32"]) if args.in_process else None,
                     "wire_share": tally.wire_ms / tally.total_ms if tally.total_ms else None,
                     "bytes_per_round": sum(tally.bytes_per_round) / len(tally.bytes_per_round) if tally.bytes_per_round else None,
                     "plan_rounds": tally.plan_rounds or None,
@@ -297,7 +298,7 @@ def run_speed(args, setup: BenchSetup) -> int:
                 if temperature == 0:
                     # Exactness is against the served verifier alone; for float32 weights also generate().
                     row["greedy_matches_verifier_alone"] = _share_equal(tally.outputs, alone.outputs)
-                    if served.dtype == "float32":
+                    if served.dtype == "float32" and args.in_process:
                         row["greedy_matches_hf_generate"] = _share_equal(tally.outputs, tallies["hf_generate"].outputs)
                 if tally.drafter_failures:
                     print(f"warning: {name}: {tally.drafter_failures} Draft calls failed and their rounds went on with "
@@ -383,7 +384,19 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
         "model": dataclasses.asdict(config.drafter.model) if own else {"source": str(references) if entry == ORACLE else entry},
         "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
+        "tokenizer": config.drafter.tokenizer if own else _tokenizer_of(entry, config.verifier.model.source),
     }
+
+
+def _tokenizer_of(drafter: str, verifier: str) -> str:
+    """A named drafter model drafts in its own tokens where its tokenizer is not the verifier's."""
+    from specdec.core.feature_head import is_feature_head
+    from specdec.core.models import load_tokenizer, tokenizer_fingerprint
+
+    if is_model_free(drafter) or drafter == ORACLE or is_feature_head(drafter):
+        return "shared"
+    mine, theirs = (tokenizer_fingerprint(load_tokenizer(source)) for source in (drafter, verifier))
+    return "shared" if mine == theirs else "own"
 
 
 def _hf_assistant(drafter: str) -> str:
@@ -471,7 +484,9 @@ def format_anatomy(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _ratio(ratio: dict) -> str:
+def _ratio(ratio: dict | None) -> str:
+    if ratio is None:
+        return "-"
     low, high = ratio["ci95"]
     return f"{ratio['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 

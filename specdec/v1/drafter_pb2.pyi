@@ -38,7 +38,7 @@ class DraftRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., verifier_tokenizer_fingerprint: _Optional[str] = ..., tree_shape: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., features_start: _Optional[int] = ..., pick_excludes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tree", "assumed_token_ids", "compute_ms", "handler_ms", "steering_ms", "forward_passes", "confidence")
+    __slots__ = ("tree", "assumed_token_ids", "compute_ms", "handler_ms", "steering_ms", "forward_passes", "confidence", "own_tokens_drafted", "reencode_rollbacks", "mapping_ms")
     TREE_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,9 @@ class DraftResponse(_message.Message):
     STEERING_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    OWN_TOKENS_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    REENCODE_ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_MS_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.DraftTree
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compute_ms: float
@@ -53,4 +56,7 @@ class DraftResponse(_message.Message):
     steering_ms: float
     forward_passes: int
     confidence: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ..., steering_ms: _Optional[float] = ..., forward_passes: _Optional[int] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
+    own_tokens_drafted: int
+    reencode_rollbacks: int
+    mapping_ms: float
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ..., steering_ms: _Optional[float] = ..., forward_passes: _Optional[int] = ..., confidence: _Optional[_Iterable[float]] = ..., own_tokens_drafted: _Optional[int] = ..., reencode_rollbacks: _Optional[int] = ..., mapping_ms: _Optional[float] = ...) -> None: ...
