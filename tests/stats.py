@@ -43,3 +43,36 @@ def detectable_tvd(draws: int, expected_probs: torch.Tensor, alpha: float = 1e-3
     noncentrality = brentq(lambda lam: ncx2.sf(critical, dof, lam) - power, 1e-6, 1e6)
     a, b = torch.topk(exp / draws, 2).values.tolist()
     return (noncentrality / (draws * (1 / a + 1 / b))) ** 0.5
+
+
+def exact_joint(verifier, prompt: list[int], eos: int, sampling, length: int) -> dict[tuple[int, ...], float]:
+    """The verifier's own probability of each sequence of its first `length` tokens after
+    `prompt` (a sequence that ends with `eos` stops there), over every sequence it can produce."""
+    from specdec.core.sampling import warp_probs
+
+    joint = {(): 1.0}
+    for _ in range(length):
+        open_ = [seq for seq in joint if not seq or seq[-1] != eos]
+        if not open_:
+            break
+        with torch.inference_mode():
+            logits = verifier(torch.tensor([prompt + list(seq) for seq in open_])).logits[:, -1]
+        probs = warp_probs(logits, sampling)
+        grown = {seq: p for seq, p in joint.items() if seq and seq[-1] == eos}
+        for seq, row in zip(open_, probs):
+            support = torch.nonzero(row > 0).flatten().tolist()
+            grown.update({seq + (t,): joint[seq] * float(row[t]) for t in support})
+        joint = {seq: p for seq, p in grown.items() if p > 1e-9 or len(seq) < length}
+    return joint
+
+
+def check_sequences(sequences: list[tuple[int, ...]], joint: dict[tuple[int, ...], float], draws: int) -> float:
+    """Chi-square of the sampled sequences against `joint`; returns the TVD it detects."""
+    cells = list(joint) + sorted(set(sequences) - set(joint))  # sequences the verifier can't produce: probability 0
+    index = {seq: i for i, seq in enumerate(cells)}
+    counts = torch.zeros(len(cells))
+    for seq in sequences:
+        counts[index[seq]] += 1
+    probs = torch.tensor([joint.get(seq, 0.0) for seq in cells], dtype=torch.float64)
+    assert_matches_distribution(counts, probs)
+    return detectable_tvd(draws, probs)

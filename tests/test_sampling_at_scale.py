@@ -14,7 +14,7 @@ from specdec.core.sampling import Sampling, warp_probs
 from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.v1 import common_pb2
 from tests.conftest import local_stack, tiny_config
-from tests.stats import assert_matches_distribution, detectable_tvd
+from tests.stats import assert_matches_distribution, check_sequences, detectable_tvd, exact_joint
 from tests.tiny_models import build_model_dir, build_perturbed_copy
 
 VOCAB = 2048
@@ -42,25 +42,6 @@ def verifier(large_vocab_dirs):
     return load_model(ModelSpec(str(large_vocab_dirs["verifier"])))
 
 
-def exact_joint(verifier, sampling: Sampling, length: int) -> dict[tuple[int, ...], float]:
-    """The verifier's own probability of each sequence of its first `length` tokens (a
-    sequence that ends with EOS stops there), over every sequence it can produce."""
-    joint = {(): 1.0}
-    for _ in range(length):
-        open_ = [seq for seq in joint if not seq or seq[-1] != EOS]
-        if not open_:
-            break
-        with torch.inference_mode():
-            logits = verifier(torch.tensor([PROMPT + list(seq) for seq in open_])).logits[:, -1]
-        probs = warp_probs(logits, sampling)
-        grown = {seq: p for seq, p in joint.items() if seq and seq[-1] == EOS}
-        for seq, row in zip(open_, probs):
-            support = torch.nonzero(row > 0).flatten().tolist()
-            grown.update({seq + (t,): joint[seq] * float(row[t]) for t in support})
-        joint = {seq: p for seq, p in grown.items() if p > 1e-9 or len(seq) < length}
-    return joint
-
-
 def sampled_sequences(stack, draws: int, sampling: Sampling, length: int, **request) -> list[tuple[int, ...]]:
     client = CoordinatorClient(stack["coordinator"])
     requests = [
@@ -74,18 +55,6 @@ def sampled_sequences(stack, draws: int, sampling: Sampling, length: int, **requ
     assert sum(a.stats.accepted_draft_tokens for a in answers) > draws // 4, "the drafts were rarely accepted: a weak test"
     assert sum(a.stats.speculative_rounds for a in answers) >= draws
     return [tuple(a.token_ids[:length]) for a in answers]
-
-
-def check(sequences: list[tuple[int, ...]], joint: dict[tuple[int, ...], float], draws: int) -> float:
-    """Chi-square of the sampled sequences against `joint`; returns the TVD it detects."""
-    cells = list(joint) + sorted(set(sequences) - set(joint))  # sequences the verifier can't produce: probability 0
-    index = {seq: i for i, seq in enumerate(cells)}
-    counts = torch.zeros(len(cells))
-    for seq in sequences:
-        counts[index[seq]] += 1
-    probs = torch.tensor([joint.get(seq, 0.0) for seq in cells], dtype=torch.float64)
-    assert_matches_distribution(counts, probs)
-    return detectable_tvd(draws, probs)
 
 
 def test_chains_at_full_temperature_follow_the_verifier(large_vocab_stack, verifier):
@@ -117,7 +86,7 @@ def test_sampled_trees_with_top_k_and_top_p_follow_the_verifier(large_vocab_stac
     sampling, draws = Sampling(0.8, top_p=0.9, top_k=40), 3000
     tree = common_pb2.TreeShape(method="rsd-c", branching=[2, 2, 1])
     sequences = sampled_sequences(large_vocab_stack, draws, sampling, 3, num_draft_tokens=8, tree=tree)
-    assert check(sequences, exact_joint(verifier, sampling, 3), draws) < 0.05
+    assert check_sequences(sequences, exact_joint(verifier, PROMPT, EOS, sampling, 3), draws) < 0.05
     assert len({seq[:1] for seq in sequences}) > 2 and all(len(seq) == 3 or EOS in seq for seq in sequences)
 
 

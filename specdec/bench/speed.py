@@ -380,8 +380,14 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
     # from the other prompts, as in service; one that remembered a prompt's earlier run would
     # draft its next run from it.
     memory = {} if sees_each_prompt_once else {"recent_output_tokens": 0}
+    named_model = not own and entry != ORACLE and not is_model_free(entry)
+    # A drafter model named on the command line: int8 (it reads any weights), on both cores
+    # while it drafts (the config's one thread suits only a tiny drafter beside the verifier).
     return {
-        "model": dataclasses.asdict(config.drafter.model) if own else {"source": str(references) if entry == ORACLE else entry},
+        "model": dataclasses.asdict(config.drafter.model) if own else {
+            "source": str(references) if entry == ORACLE else entry, **({"dtype": "int8"} if named_model else {})
+        },
+        **({"torch_threads": 0} if named_model else {}),
         "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
         "tokenizer": config.drafter.tokenizer if own else _tokenizer_of(entry, config.verifier.model.source),
