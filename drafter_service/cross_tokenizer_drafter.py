@@ -71,6 +71,7 @@ class CrossTokenizerDrafter(Drafter):
         mapping_ms = (time.perf_counter() - start) * 1e3
         inner.generator = session.generator
         passes = inner.forward_passes
+        # A draft's last verifier token is dropped (it may be cut mid-word): one more is drafted.
         own_budget = min(self.cap, max(1, math.ceil((budget + 1) / self.verifier_per_own)))
         # Depth in own tokens says little of depth in the verifier's: the node budget bounds both.
         tree, _ = yield from self.inner.draft(inner, own, dataclasses.replace(shape, max_depth=0), own_budget)

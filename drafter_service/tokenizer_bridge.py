@@ -100,7 +100,8 @@ class TokenizerBridge:
         leaf's path becomes text, then verifier tokens, and the paths merge into one trie of at
         most `budget` nodes (the drafter's earlier nodes first). Children are distinct and carry
         no proposal: each is a point mass to the verifier, which keeps sampling exact. Also
-        returns how many nodes the trie would have had without the budget."""
+        returns how many verifier tokens the leaves became before the budget and the dropped
+        last tokens cut them (what the drafter's tokens are worth in the verifier's)."""
         anchor = state.own_tokens[-self.TAIL :]
         anchor_text = self._own_text(anchor)
         tail = state.verifier_tokens[-self.TAIL :]
@@ -112,7 +113,8 @@ class TokenizerBridge:
             text = self._own_text(anchor + [tree.token_ids[n] for n in tree.path_to(leaf)])
             if not text.startswith(anchor_text) or len(text) == len(anchor_text):
                 continue
-            node, tokens = ROOT, self._verifier_tokens(tail, tail_text, text[len(anchor_text) :])
+            node, tokens, dropped = ROOT, *self._verifier_tokens(tail, tail_text, text[len(anchor_text) :])
+            unbounded += dropped
             for depth, token in enumerate(tokens):
                 if (node, token) not in child_of:
                     if len(mapped) == budget:
@@ -126,15 +128,18 @@ class TokenizerBridge:
     def _own_text(self, ids: list[int]) -> str:
         return self.own.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False).rstrip(INCOMPLETE)
 
-    def _verifier_tokens(self, tail: list[int], tail_text: str, text: str) -> list[int]:
-        """`text`'s verifier tokens after the committed `tail`; the last one is dropped unless it
-        is a special token (text cut mid-word would give a token the verifier would not)."""
+    def _verifier_tokens(self, tail: list[int], tail_text: str, text: str) -> tuple[list[int], int]:
+        """`text`'s verifier tokens after the committed `tail`, and how many were dropped: the
+        last one unless it is a special token (text cut mid-word would give a token the
+        verifier would not)."""
         encoded = self.verifier.encode(tail_text + text, add_special_tokens=False)
         if encoded[: len(tail)] == tail:
             tokens = encoded[len(tail) :]
         else:  # the text merges with the tail: the verifier, which ended the tail there, starts anew
             tokens = self.verifier.encode(text, add_special_tokens=False)
-        return tokens if tokens and tokens[-1] in self.verifier_special else tokens[:-1]
+        if not tokens or tokens[-1] in self.verifier_special:
+            return tokens, 0
+        return tokens[:-1], 1
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -81,6 +81,10 @@ class Tally:
     accepted: int = 0
     speculative_rounds: int = 0
     draft_forward_passes: int = 0
+    drafted: int = 0  # draft tokens the verifier was sent
+    own_tokens: int = 0  # a drafter of another tokenizer: tokens it drafted in its own
+    reencode_rollbacks: int = 0
+    mapping_ms: float = 0.0
     drafter_failures: int = 0  # failed Draft calls: those rounds went on with the verifier alone
     wire_ms: float = 0.0
     total_ms: float = 0.0
@@ -102,6 +106,10 @@ class Tally:
         self.accepted += stats.accepted_draft_tokens
         self.speculative_rounds += stats.speculative_rounds
         self.draft_forward_passes += stats.draft_forward_passes
+        self.drafted += stats.drafted_tokens
+        self.own_tokens += stats.draft_own_tokens
+        self.reencode_rollbacks += stats.draft_reencode_rollbacks
+        self.mapping_ms += stats.draft_mapping_ms
         self.drafter_failures += stats.drafter_failures
         self.rounds += stats.rounds
         self.wire_ms += stats.wire_serialization_ms
@@ -280,6 +288,13 @@ def run_speed(args, setup: BenchSetup) -> int:
                     "mean_accepted_per_round": tally.accepted / tally.speculative_rounds if tally.speculative_rounds else None,
                     "tokens_per_verify_call": sum(tally.tokens) / tally.rounds if tally.rounds else None,
                     "draft_forwards_per_round": tally.draft_forward_passes / tally.speculative_rounds if tally.speculative_rounds else None,
+                    "drafted_per_round": tally.drafted / tally.speculative_rounds if tally.speculative_rounds else None,
+                    # Drafting across tokenizers: the drafter's own tokens, its re-encoding rollbacks and mapping time per round.
+                    "across_tokenizers": {
+                        "own_tokens_per_round": tally.own_tokens / tally.speculative_rounds,
+                        "rollbacks_per_round": tally.reencode_rollbacks / tally.speculative_rounds,
+                        "mapping_ms_per_round": tally.mapping_ms / tally.speculative_rounds,
+                    } if tally.own_tokens else None,
                     "drafter_failures": tally.drafter_failures,
                     "vs_autoregressive": tally.ratio_to(alone),
                     "vs_hf_assisted": tally.ratio_to(tallies["hf_assisted"]) if args.in_process else None,

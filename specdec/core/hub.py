@@ -61,7 +61,7 @@ def _converted_gguf_dir(directory: str, gguf_file: str) -> Path:
     target = _converted_path(directory, gguf_file)
     if (target / "config.json").is_file():
         return target
-    log.warning("converting %s to safetensors in %s: once, about 1 s per 10 MB of the file", gguf_file, target)
+    log.warning("converting %s to safetensors in %s: once (about a minute for a 1 GB file)", gguf_file, target)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     model.hf_quantizer = None
