@@ -73,6 +73,22 @@ def local_stack(config_dict: dict):
         coord.pair.close()
 
 
+@contextlib.contextmanager
+def plain_services(config):
+    """The config's verifier and drafter as plain gRPC servers in this process: (drafter
+    address, verifier address); no coordinator, so a test can make the pair itself."""
+    import drafter_service.server
+    import verifier_service.server
+
+    v_server, v_port = verifier_service.server.start(config.verifier, **config.service_args("verifier"))
+    d_server, d_port = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
+    try:
+        yield f"localhost:{d_port}", f"localhost:{v_port}"
+    finally:
+        v_server.stop(None)
+        d_server.stop(None)
+
+
 def service_pair(drafter: str, verifier: str):
     """The coordinator's view of one drafter and one verifier at these addresses."""
     from coordinator.clients import Replicas, ServicePair

@@ -76,3 +76,24 @@ def check_sequences(sequences: list[tuple[int, ...]], joint: dict[tuple[int, ...
     probs = torch.tensor([joint.get(seq, 0.0) for seq in cells], dtype=torch.float64)
     assert_matches_distribution(counts, probs)
     return detectable_tvd(draws, probs)
+
+
+def sampled_through(stack, prompt: list[int], draws: int, sampling, length: int, min_accepted: float, **request) -> list[tuple[int, ...]]:
+    """The first `length` tokens of `draws` sampled answers (seeds 0, 1, ...) through a running
+    stack's coordinator; the drafts must have kept at least `min_accepted` tokens a draw, or
+    the test would say little about speculation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec.serving.client import CoordinatorClient, generate_request
+
+    client = CoordinatorClient(stack["coordinator"])
+    requests = [
+        generate_request(prompt_token_ids=prompt, max_new_tokens=length, temperature=sampling.temperature, top_p=sampling.top_p,
+                         top_k=sampling.top_k, seed=seed, **request)
+        for seed in range(draws)
+    ]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(pool.map(client.generate, requests))
+    client.close()
+    assert sum(a.stats.accepted_draft_tokens for a in answers) > draws * min_accepted, "the drafts were rarely accepted: a weak test"
+    return [tuple(a.token_ids[:length]) for a in answers]

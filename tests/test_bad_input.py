@@ -192,23 +192,15 @@ def test_mismatched_tokenizer_is_refused(clients):
 
 
 def test_coordinator_refuses_a_mismatched_pair(tiny_dirs):
-    import drafter_service.server
-    import verifier_service.server
     from coordinator.clients import PairMismatch
     from specdec.serving.config import config_from_dict
-    from tests.conftest import service_pair
+    from tests.conftest import plain_services, service_pair
 
     config = config_from_dict(
         {"verifier": {"model": str(tiny_dirs["verifier"])}, "drafter": {"model": str(tiny_dirs["other_words"])}}
     )
-    v_server, v_port = verifier_service.server.start(config.verifier, **config.service_args("verifier"))
-    d_server, d_port = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
-    try:
-        with pytest.raises(PairMismatch, match="mismatched tokenizers"):
-            service_pair(f"localhost:{d_port}", f"localhost:{v_port}")
-    finally:
-        v_server.stop(None)
-        d_server.stop(None)
+    with plain_services(config) as addresses, pytest.raises(PairMismatch, match="mismatched tokenizers"):
+        service_pair(*addresses)
 
 
 def test_bad_tree_shape_sent_to_the_drafter(clients):

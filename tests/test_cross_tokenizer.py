@@ -5,7 +5,6 @@ verifier alone's, sampled output distributed as the verifier's own, and the refu
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -20,7 +19,7 @@ from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.config import ConfigError, config_from_dict
 from specdec.v1 import common_pb2
 from tests.conftest import local_stack
-from tests.stats import check_sequences, exact_joint
+from tests.stats import check_sequences, exact_joint, sampled_through
 from tests.tiny_models import build_text_model_dir, qwen_tokenizer_dir
 
 # The texts both tiny models say (tokenized differently by the two tokenizers: '_total' is one
@@ -171,20 +170,6 @@ def test_greedy_across_tokenizers_equals_the_verifier_alone(pair_stack, text_pai
         client.close()
 
 
-def sampled(stack, prompt: list[int], draws: int, sampling: Sampling, length: int, **request) -> list[tuple[int, ...]]:
-    client = CoordinatorClient(stack["coordinator"])
-    requests = [
-        generate_request(prompt_token_ids=prompt, max_new_tokens=length, temperature=sampling.temperature, top_p=sampling.top_p,
-                         top_k=sampling.top_k, seed=seed, **request)
-        for seed in range(draws)
-    ]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        answers = list(pool.map(client.generate, requests))
-    client.close()
-    assert sum(a.stats.accepted_draft_tokens for a in answers) > draws // 10, "the drafts were rarely accepted: a weak test"
-    return [tuple(a.token_ids[:length]) for a in answers]
-
-
 @pytest.mark.parametrize(
     "sampling, tree, budget, draws",
     [
@@ -203,7 +188,7 @@ def test_sampling_across_tokenizers_follows_the_verifier(pair_stack, text_pair_d
     at T=1 with 2,000."""
     verifier_model = load_model(ModelSpec(str(text_pair_dirs["verifier"])))
     prompt = chat(tokenizers[1], "Write the function.")
-    sequences = sampled(pair_stack, prompt, draws, sampling, 3, num_draft_tokens=budget, tree=tree)
+    sequences = sampled_through(pair_stack, prompt, draws, sampling, 3, 0.1, num_draft_tokens=budget, tree=tree)
     joint = exact_joint(verifier_model, prompt, tokenizers[1].eos_token_id, sampling, 3)
     assert check_sequences(sequences, joint, draws) < 0.1
     assert len({seq[:1] for seq in sequences}) > 2
@@ -212,19 +197,11 @@ def test_sampling_across_tokenizers_follows_the_verifier(pair_stack, text_pair_d
 def test_another_tokenizer_is_refused_unless_the_config_says_own(text_pair_dirs):
     """Without drafter.tokenizer: own the pair check refuses the pair, naming the fix; own on a
     drafter without a model of its own is a config error."""
-    import drafter_service.server
-    import verifier_service.server
-    from tests.conftest import service_pair
+    from tests.conftest import plain_services, service_pair
 
     config = config_from_dict(pair_config(text_pair_dirs, tokenizer="shared"))
-    v_server, v_port = verifier_service.server.start(config.verifier, **config.service_args("verifier"))
-    d_server, d_port = drafter_service.server.start(config.drafter, **config.service_args("drafter"))
-    try:
-        with pytest.raises(PairMismatch, match="drafter.tokenizer: own"):
-            service_pair(f"localhost:{d_port}", f"localhost:{v_port}")
-    finally:
-        v_server.stop(None)
-        d_server.stop(None)
+    with plain_services(config) as addresses, pytest.raises(PairMismatch, match="drafter.tokenizer: own"):
+        service_pair(*addresses)
     with pytest.raises(ConfigError, match="drafter.tokenizer: own"):
         config_from_dict({"drafter": {"model": "prompt-lookup", "tokenizer": "own"}})
 

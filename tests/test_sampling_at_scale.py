@@ -4,17 +4,15 @@ with a drafter that is not the verifier (the verifier's weights perturbed: it ag
 never exactly). The joint distribution of the first tokens must be the verifier's own."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from specdec.core.models import ModelSpec, load_model
 from specdec.core.sampling import Sampling, warp_probs
-from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.v1 import common_pb2
 from tests.conftest import local_stack, tiny_config
-from tests.stats import assert_matches_distribution, check_sequences, detectable_tvd, exact_joint
+from tests.stats import assert_matches_distribution, check_sequences, detectable_tvd, exact_joint, sampled_through
 from tests.tiny_models import build_model_dir, build_perturbed_copy
 
 VOCAB = 2048
@@ -43,18 +41,7 @@ def verifier(large_vocab_dirs):
 
 
 def sampled_sequences(stack, draws: int, sampling: Sampling, length: int, **request) -> list[tuple[int, ...]]:
-    client = CoordinatorClient(stack["coordinator"])
-    requests = [
-        generate_request(prompt_token_ids=PROMPT, max_new_tokens=length, temperature=sampling.temperature, top_p=sampling.top_p,
-                         top_k=sampling.top_k, seed=seed, **request)
-        for seed in range(draws)
-    ]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        answers = list(pool.map(client.generate, requests))
-    client.close()
-    assert sum(a.stats.accepted_draft_tokens for a in answers) > draws // 4, "the drafts were rarely accepted: a weak test"
-    assert sum(a.stats.speculative_rounds for a in answers) >= draws
-    return [tuple(a.token_ids[:length]) for a in answers]
+    return sampled_through(stack, PROMPT, draws, sampling, length, 0.25, **request)
 
 
 def test_chains_at_full_temperature_follow_the_verifier(large_vocab_stack, verifier):
