@@ -7,10 +7,11 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+
 import torch
 
 from drafter_service.drafting import Drafter, DrafterSession
-from drafter_service.tokenizer_bridge import FollowedText, TokenizerBridge
+from drafter_service.tokenizer_bridge import FollowedText, TokenizerBridge, common_prefix
 from specdec.core.batching import Job
 from specdec.core.models import tokenizer_fingerprint
 from specdec.core.ngram import NgramIndex
@@ -39,11 +40,9 @@ class CrossTokenizerDrafter(Drafter):
 
     def new_state(self, context: list[int], sampling: Sampling) -> CrossState:
         text = FollowedText()
-        own = self.bridge.follow(text, context)
-        text.rollbacks = 0
+        own = list(self.bridge.follow(text, context))
         session = DrafterSession(
-            list(own), sampling, torch.Generator(), NgramIndex(self.max_ngram, own), self.inner.new_state(list(own), sampling),
-            prompt_length=len(own),
+            own, sampling, torch.Generator(), NgramIndex(self.max_ngram, own), self.inner.new_state(own, sampling), prompt_length=len(own),
         )
         return CrossState(text, session)
 
@@ -88,10 +87,9 @@ class CrossTokenizerDrafter(Drafter):
     def _follow(self, state: CrossState, context: list[int]) -> list[int]:
         """The inner session brought to `context` in own tokens (its n-gram index too)."""
         own, inner = list(self.bridge.follow(state.text, context)), state.own
-        keep = next((i for i, (a, b) in enumerate(zip(inner.tokens, own)) if a != b), min(len(inner.tokens), len(own)))
+        keep = common_prefix(inner.tokens, own)
         if keep < len(inner.tokens):
             inner.ngram = NgramIndex(self.max_ngram, own[:keep])
         inner.ngram.extend(own[keep:])
         inner.tokens = own
         return list(own)
-

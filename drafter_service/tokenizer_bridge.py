@@ -46,14 +46,12 @@ class TokenizerBridge:
     def follow(self, state: FollowedText, context: list[int]) -> list[int]:
         """Brings `state` to the verifier's `context` (which may drop tokens it followed: a wrong
         assumption) and returns the drafter's own tokens for it."""
-        keep = _common_prefix(state.verifier_tokens, context)
+        keep = common_prefix(state.verifier_tokens, context)
         if keep < len(state.verifier_tokens):
             del state.verifier_tokens[keep:], state.text_ends[keep:]
             state.text = state.text[: state.text_ends[-1] if keep else 0]
-        if keep == len(context):
-            self._encode_tail(state)
-            return state.own_tokens
-        self._decode_new(state, context[keep:])
+        if keep < len(context):
+            self._decode_new(state, context[keep:])
         self._encode_tail(state)
         return state.own_tokens
 
@@ -61,17 +59,14 @@ class TokenizerBridge:
         tokens = state.verifier_tokens
         start = max(0, len(tokens) - self.DECODE_WINDOW)
         before = state.text[state.text_ends[start - 1] if start else 0 :]
-        if self._decoded(tokens[start:]) != before:  # a tokenizer whose window decodes otherwise (a leading space)
+        if _text(self.verifier, tokens[start:]) != before:  # a tokenizer whose window decodes otherwise (a leading space)
             start, before = 0, state.text
         base = len(state.text) - len(before)
         for token in new:
             tokens.append(token)
-            state.text_ends.append(base + len(self._decoded(tokens[start:])))
-        state.text = state.text[:base] + self._decoded(tokens[start:])
-
-    def _decoded(self, ids: list[int]) -> str:
-        """The text of `ids`, without the bytes of a last character not complete yet."""
-        return self.verifier.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False).rstrip(INCOMPLETE)
+            decoded = _text(self.verifier, tokens[start:])
+            state.text_ends.append(base + len(decoded))
+        state.text = state.text[:base] + decoded
 
     def _encode_tail(self, state: FollowedText) -> None:
         """Encodes the text after the last ENCODE_WINDOW own tokens again (all of it when the
@@ -86,7 +81,7 @@ class TokenizerBridge:
         tokens, token_ends = self._encode(state.text[cut:], cut)
         if start and (not tokens or tokens[0] != own[start]):
             start, tokens, token_ends = 0, *self._encode(state.text, 0)
-        same = start + _common_prefix(own[start:], tokens)
+        same = start + common_prefix(own[start:], tokens)
         if same < len(own):
             state.rollbacks += 1
         state.own_tokens, state.own_ends = own[:start] + tokens, ends[:start] + token_ends
@@ -103,14 +98,14 @@ class TokenizerBridge:
         returns how many verifier tokens the leaves became before the budget and the dropped
         last tokens cut them (what the drafter's tokens are worth in the verifier's)."""
         anchor = state.own_tokens[-self.TAIL :]
-        anchor_text = self._own_text(anchor)
+        anchor_text = _text(self.own, anchor)
         tail = state.verifier_tokens[-self.TAIL :]
         tail_text = self.verifier.decode(tail, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         mapped, unbounded = DraftTree(), 0
         child_of: dict[tuple[int, int], int] = {}
         has_child = {p for p in tree.parent if p != ROOT}
         for leaf in (n for n in range(len(tree)) if n not in has_child):
-            text = self._own_text(anchor + [tree.token_ids[n] for n in tree.path_to(leaf)])
+            text = _text(self.own, anchor + [tree.token_ids[n] for n in tree.path_to(leaf)])
             if not text.startswith(anchor_text) or len(text) == len(anchor_text):
                 continue
             node, tokens, dropped = ROOT, *self._verifier_tokens(tail, tail_text, text[len(anchor_text) :])
@@ -124,9 +119,6 @@ class TokenizerBridge:
                     unbounded += 1
                 node = child_of[node, token]
         return mapped, unbounded
-
-    def _own_text(self, ids: list[int]) -> str:
-        return self.own.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False).rstrip(INCOMPLETE)
 
     def _verifier_tokens(self, tail: list[int], tail_text: str, text: str) -> tuple[list[int], int]:
         """`text`'s verifier tokens after the committed `tail`, and how many were dropped: the
@@ -142,7 +134,13 @@ class TokenizerBridge:
         return tokens[:-1], 1
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """The text of `ids`, without the bytes of a last character not complete yet."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False).rstrip(INCOMPLETE)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading items the two lists share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -170,7 +170,7 @@ def run_speed(args, setup: BenchSetup) -> int:
         placement, dtype = variant
         stack_args = {
             **app_args, "coordinator": {"port": args.port + j, "verifier_in_process": placement == COLOCATED},
-            "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1, references),
+            "drafter": _drafter_args(source, config, runs_per_prompt[source] == 1, references, tokenizer),
             "verifier": {"prefix_cache_mib": 0, "model": {**dataclasses.asdict(config.verifier.model), "dtype": dtype}},
         }
         address = args.address or start_beside(stack_args, args.port + j, j)
@@ -387,7 +387,7 @@ def format_by_category(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: Path) -> dict:
+def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: Path, verifier_tokenizer) -> dict:
     """The drafter section of the stack that benchmarks one --drafters entry (the oracle's
     source: its reference table in `references`)."""
     own = entry in ("model", "hybrid", "staged")
@@ -405,19 +405,18 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
         **({"torch_threads": 0} if named_model else {}),
         "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
-        "tokenizer": config.drafter.tokenizer if own else _tokenizer_of(entry, config.verifier.model.source),
+        "tokenizer": config.drafter.tokenizer if own else _tokenizer_of(entry, verifier_tokenizer),
     }
 
 
-def _tokenizer_of(drafter: str, verifier: str) -> str:
+def _tokenizer_of(drafter: str, verifier_tokenizer) -> str:
     """A named drafter model drafts in its own tokens where its tokenizer is not the verifier's."""
     from specdec.core.feature_head import is_feature_head
     from specdec.core.models import load_tokenizer, tokenizer_fingerprint
 
     if is_model_free(drafter) or drafter == ORACLE or is_feature_head(drafter):
         return "shared"
-    mine, theirs = (tokenizer_fingerprint(load_tokenizer(source)) for source in (drafter, verifier))
-    return "shared" if mine == theirs else "own"
+    return "shared" if tokenizer_fingerprint(load_tokenizer(drafter)) == tokenizer_fingerprint(verifier_tokenizer) else "own"
 
 
 def _hf_assistant(drafter: str) -> str:

