@@ -73,3 +73,27 @@ def test_bench_runs_a_study_mode_and_writes_its_report(bench_files):
     assert {row["tokens"] for row in report["results"] if row["model"] == "verifier"} == {1, 3}
     assert report["config"]["cost_context"] == 16 and len(report["config"]["question_ids"]) == 2
     assert (tmp_path / "cost.png").exists()
+
+
+@pytest.mark.e2e
+def test_bench_without_in_process_rows_compares_the_services_alone(bench_files):
+    """--no-in-process: no transformers rows (a large verifier's float32 generate() takes minutes),
+    the service rows and their ratios to the verifier alone as usual."""
+    common, tmp_path = bench_files
+    out = tmp_path / "services.json"
+    assert main(["bench", *common, "--no-in-process", "--max-new-tokens", "6", "--budgets", "2", "--trees", "chain",
+                 "--out", str(out)]) == 0
+    rows = {row["name"]: row for row in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"autoregressive", "chain_b2"}
+    assert rows["chain_b2"]["vs_hf_assisted"] is None and rows["chain_b2"]["greedy_matches_verifier_alone"] == 1.0
+    assert rows["chain_b2"]["across_tokenizers"] is None  # the tiny pair shares its tokenizer
+
+
+def test_humaneval_prompts_are_its_problems_as_completions():
+    from specdec.core.prompts import evaluation_split, load_prompts
+
+    rows = load_prompts("humaneval")
+    assert [r["question_id"] for r in rows] == list(range(164))
+    held_out = evaluation_split(rows, 3)
+    assert [r["question_id"] for r in held_out] == [0, 4, 8]
+    assert "def has_close_elements(" in held_out[0]["prompt"] and held_out[0]["prompt"].startswith("Complete the following Python")
