@@ -31,7 +31,9 @@ def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]
         fp32 = ModelSpec(served.source, served.layers, "float32", served.device)
         engines["float32 transformers verifier"] = ("verifier", TransformersEngine(load_model(fp32)))
     drafter = config.drafter.model
-    if not is_feature_head(drafter.source):  # a head is no causal LM of its own: its steps show in the served bench's draft_ms
+    # A head is no causal LM of its own (its steps show in the served bench's draft_ms); a drafter
+    # of another tokenizer cannot read the verifier's context ids.
+    if not is_feature_head(drafter.source) and config.drafter.tokenizer == "shared":
         engines[f"served drafter ({drafter.dtype})"] = ("drafter", engine_for(load_model(drafter), drafter.dtype))
     return engines
 

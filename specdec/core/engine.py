@@ -3,8 +3,9 @@
 `float32`, `bfloat16` and `float16` are transformers' own modules in that dtype (float32 is
 exactly what `generate()` runs); `int8` (specdec/core/int8.py) replaces every linear layer of
 the decoder and the LM head; `q4_0`, `q4_1` and `q8_0` (specdec/core/blocks.py) keep the decoder's linears
-as GGUF's blocks and the LM head int8. `LlamaEngine` runs Llama-family decoders itself:
-with int8 or block weights on a CPU each layer is one call of the native kernel, and every row of a pass (tree nodes,
+as GGUF's blocks and the LM head int8; `gguf` (specdec/core/kquants.py) serves a GGUF file's
+K-quant linears and LM head as the file stores them, each tensor in its own format. `LlamaEngine` runs Llama-family decoders itself:
+with int8, block or K-quant weights on a CPU each layer is one call of the native kernel, and every row of a pass (tree nodes,
 other sessions' tokens) gets exactly what it would alone. Other models run through
 `TransformersEngine`.
 """
@@ -21,8 +22,8 @@ from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.kernels import native
 from specdec.core.kv_cache import KVCache, TransformersCache
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", *BLOCK_FORMATS)
-QUANTIZED = ("int8", *BLOCK_FORMATS)  # formats whose linears multiply integers (specdec/core/int8.py, blocks.py)
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", *BLOCK_FORMATS, "gguf")
+QUANTIZED = ("int8", *BLOCK_FORMATS, "gguf")  # formats whose linears multiply integers (int8.py, blocks.py, kquants.py)
 
 
 def torch_dtype(weights: str) -> torch.dtype:

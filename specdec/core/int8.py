@@ -15,6 +15,7 @@ import torch
 
 from specdec.core.kernels import native
 from specdec.core.blocks import BlockLinear
+from specdec.core.kquants import KQuantLinear
 
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # the native layer's "no mask"
 _TINY = 1e-12  # the smallest scale: an all-zero row quantizes to zeros instead of NaN
@@ -113,9 +114,12 @@ def quantize_linears(
             quantize_linears(child, input_ranges, block_format, f"{qualified}.")
 
 
+_NATIVE_KINDS = (Int8Linear, BlockLinear, KQuantLinear)  # linears the native decoder layer multiplies
+
+
 def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
     """One layer computing several linears of the same input side by side (q|k|v, gate|up)."""
-    for kind in (Int8Linear, BlockLinear):
+    for kind in _NATIVE_KINDS:
         if all(isinstance(p, kind) for p in parts):
             return kind.side_by_side(parts)
     bias = parts[0].bias is not None
@@ -127,7 +131,7 @@ def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
 
 
 class NativeLayer:
-    """A Llama decoder layer with int8 or block weights run whole by one call of the native kernel:
+    """A Llama decoder layer with int8, block or K-quant weights run whole by one call of the native kernel:
     norms, fused q|k|v, rotary, batch-invariant attention over a transposed-key cache, o,
     fused gate|up, down, both residuals. Writes the new keys and values into the cache."""
 
@@ -151,18 +155,20 @@ class NativeLayer:
 
 
 def _native_tensors(linear, empty: torch.Tensor) -> list[torch.Tensor]:
-    """A linear's five tensors as the native layer reads them (Int8Layer, BlockLayer)."""
+    """A linear's five tensors as the native layer reads them (Int8Layer, BlockLayer, KQuantLayer)."""
     bias = empty if linear.bias is None else linear.bias
+    if isinstance(linear, KQuantLinear):
+        return [linear.packed, linear.table, bias, empty, empty]
     if isinstance(linear, BlockLinear):
         return [linear.packed, bias, empty, empty, empty]
     return [linear.packed, linear.sums, linear.scale, bias, empty if linear.smoothing is None else linear.smoothing]
 
 
 def native_layer(input_norm, qkv, o, post_norm, gate_up, down, eps: float) -> NativeLayer | None:
-    """The layer for the native kernel, or None where it does not apply (weights neither all
-    int8 nor all blocks, no kernels, not on the CPU)."""
+    """The layer for the native kernel, or None where it does not apply (weights not all of one
+    kind: int8, blocks or K-quants; no kernels; not on the CPU)."""
     linears = (qkv, o, gate_up, down)
-    if native() is None or not any(all(isinstance(m, kind) for m in linears) for kind in (Int8Linear, BlockLinear)):
+    if native() is None or not any(all(isinstance(m, kind) for m in linears) for kind in _NATIVE_KINDS):
         return None
     if not all(m.kernels is not None and m.packed.device.type == "cpu" for m in linears):
         return None

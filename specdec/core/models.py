@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -20,7 +21,8 @@ from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.int8 import quantize_linears
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
-from specdec.core.hub import gguf_layer_formats, load_model_weights_only, load_tokenizer_of, resolve_alias
+from specdec.core.hub import gguf_layer_formats, load_model_weights_only, load_tokenizer_of, resolve_alias, resolve_source
+from specdec.core.kquants import load_gguf_linears
 from specdec.core.prompts import calibration_ids
 from specdec.core.tree import DraftTree, verification_inputs
 
@@ -52,6 +54,7 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     names (specdec/core/engine.py)."""
     if spec.dtype in BLOCK_FORMATS:
         _check_block_format(spec)
+    gguf = _gguf_path(spec) if spec.dtype == "gguf" else None
     dtype = torch_dtype(spec.dtype)
     source = resolve_alias(spec.source)
     if is_drafter_checkpoint(source):
@@ -60,10 +63,20 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         model = load_model_weights_only(spec.source, dtype)
     if spec.layers is not None:
         truncate_layers(model, spec.layers)
-    if spec.dtype in QUANTIZED:
+    if gguf is not None:
+        load_gguf_linears(model, gguf)
+    elif spec.dtype in QUANTIZED:
         calibration = calibration_ids(load_tokenizer(spec.source), max_context(model))
         quantize_linears(model, input_ranges(model.eval(), calibration), None if spec.dtype == "int8" else spec.dtype)
     return model.to(spec.device).eval()
+
+
+def _gguf_path(spec: ModelSpec) -> Path:
+    """The GGUF file whose own blocks dtype `gguf` serves."""
+    directory, gguf_file = resolve_source(resolve_alias(spec.source))
+    if not gguf_file:
+        raise UnsupportedModel(f"dtype gguf serves a GGUF file's own K-quant blocks; {spec.source} is not a GGUF file")
+    return Path(directory) / gguf_file
 
 
 def _check_block_format(spec: ModelSpec) -> None:

@@ -704,6 +704,263 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
   return apply_layer(BlockLayer(packed, bias.value_or(torch::Tensor()), n), x, n);
 }
 
+// K-quant weights as a GGUF file holds them (Q4_K, Q6_K), each tensor in its own format: along
+// K, super-blocks of 256 weights with float16 factors d and dmin, in sub-blocks with small
+// integer factors a (per 16 weights) and b (per 32), so that
+//   w = d a q - dmin b,  q unsigned (Q4_K: 4 bits, a = b's sub-block scale, b = its min;
+//                                    Q6_K: 6 bits, a its signed scale, b = a, dmin = 32 d).
+// Activations enter as int8 in super-blocks of 256 with one scale s each and the sums of every
+// 16 of them (GGUF's Q8_K), so a super-block adds to a row
+//   float(sum a (sum q xq)) (d s) - float(sum b (sum xq)) (dmin s),
+// both integer sums exact and the float sums over a row's super-blocks taken in order: a row's
+// result depends on that row alone.
+// One super-block of 16 channels (a group), one stream:
+//   nibbles [8 sub-blocks of 32][4 steps][16 channels][4]: q & 15 of inputs 4i..4i+3 (low
+//     nibble) and 16 + 4i.. (high nibble) of the sub-block, as the 4-bit blocks above;
+//   Q6_K only: high bits [8][2][16][4]: q >> 4 of steps p, p + 2, p + 4, p + 6 in bits 0-1, 2-3,
+//     4-5, 6-7 of byte p (p = 0, 1);
+//   factors: Q4_K [8][a for 16 channels, then b for 16] int8; Q6_K [8][16 channels][a of inputs
+//     0-15, a of 16-31] int8 (b = a);
+//   d [16] and dmin [16] float16.
+constexpr int64_t kSuper = 256;
+enum KFormat : int64_t { kQ4K = 0, kQ6K = 1 };
+template <int Format>
+constexpr int64_t factors_at() { return Format == kQ4K ? 2048 : 3072; }
+template <int Format>
+constexpr int64_t super_bytes() { return factors_at<Format>() + 256 + 64; }
+constexpr int kKRows = 4;  // rows whose sums stay in registers through a pass over a group's weights
+
+inline int32_t load4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// One row's activations for the K-quant layers: xq (k int8), per super-block s = max|x| / 127 and
+// xq = round(x / s), and the sums of each 16 of xq (int16).
+void quantize_super(const float* x, int64_t k, int8_t* xq, float* scales, int16_t* sums16) {
+  for (int64_t b = 0; b * kSuper < k; ++b) {
+    const float* xb = x + b * kSuper;
+    float largest = 0.f;
+    for (int64_t i = 0; i < kSuper; ++i) largest = std::max(largest, std::fabs(xb[i]));
+    const float scale = std::max(largest, 1e-12f) / 127.f;
+    scales[b] = scale;
+    for (int64_t g = 0; g < kSuper / 16; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = g * 16; i < g * 16 + 16; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] / scale));
+        xq[b * kSuper + i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      sums16[b * (kSuper / 16) + g] = static_cast<int16_t>(sum);
+    }
+  }
+}
+
+// out[r][c] for `rows` rows (at most kKRows) and the 16 channels of one group: super-blocks in
+// order, each adding float(ia) (d s) and then -float(ib) (dmin s).
+template <int Format, int R>
+void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sums16, const uint8_t* w, int64_t supers, float* out) {
+  constexpr int64_t kBytes = super_bytes<Format>();
+  constexpr int64_t kFactors = factors_at<Format>();
+#if defined(__AVX2__)
+  // vpmaddubsw: unsigned q (at most 63) times xq, pairs summed to int16 (at most 2 * 63 * 127);
+  // those summed in int16 while they cannot overflow (Q4_K: all 8 steps of a sub-block, at most
+  // 8 * 2 * 15 * 127; Q6_K: two steps), then vpmaddwd by the sub-block factors to int32.
+  // Channels 0-7 and 8-15 in two halves; each step is unpacked once and serves every row while
+  // the rows' sums stay in registers.
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), high_pair = _mm256_set1_epi8(0x30);
+  const __m128i evens = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+  const __m128i odds = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
+  const auto x4 = [&](int r, int64_t at) { return _mm256_set1_epi32(load4(x + r * k + at)); };
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* wb = w + sb * kBytes;
+    for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * kBytes + 64 * line), _MM_HINT_T0);
+    const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + kFactors + 256);
+    for (int h = 0; h < 2; ++h) {
+      __m256i ia[R], ib[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* nibbles = wb + j * 256 + h * 32;
+        const int64_t at = sb * kSuper + j * 32;  // this sub-block's first input
+        __m256i a_low, a_high, b;
+        if constexpr (Format == kQ6K) {
+          const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + kFactors + j * 32 + h * 16));
+          b = _mm256_cvtepi8_epi16(pairs);
+          a_low = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pairs, evens));
+          a_high = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pairs, odds));
+          const __m256i high0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2048 + j * 128 + h * 32));
+          const __m256i high1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2048 + j * 128 + 64 + h * 32));
+          // steps i, i + 1 of inputs 0-15 (factor a_low) and 16-31 (a_high): bits 0-1 / 2-3 of the
+          // high bytes for i = 0 / 2, bits 4-5 / 6-7 for the steps 4 further.
+#pragma GCC unroll 2
+          for (int i = 0; i < 4; i += 2) {
+            const __m256i packed0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + i * 64));
+            const __m256i packed1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + i * 64 + 64));
+            const __m256i up0 = i == 0 ? _mm256_slli_epi16(high0, 4) : _mm256_slli_epi16(high0, 2);
+            const __m256i up1 = i == 0 ? _mm256_slli_epi16(high1, 4) : _mm256_slli_epi16(high1, 2);
+            const __m256i down0 = i == 0 ? high0 : _mm256_srli_epi16(high0, 2);
+            const __m256i down1 = i == 0 ? high1 : _mm256_srli_epi16(high1, 2);
+            const __m256i low0 = _mm256_or_si256(_mm256_and_si256(packed0, low_nibbles), _mm256_and_si256(up0, high_pair));
+            const __m256i low1 = _mm256_or_si256(_mm256_and_si256(packed1, low_nibbles), _mm256_and_si256(up1, high_pair));
+            const __m256i top0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed0, 4), low_nibbles), _mm256_and_si256(down0, high_pair));
+            const __m256i top1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed1, 4), low_nibbles), _mm256_and_si256(down1, high_pair));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(low0, x4(r, at + 4 * i)), _mm256_maddubs_epi16(low1, x4(r, at + 4 * i + 4)));
+              const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(top0, x4(r, at + 16 + 4 * i)), _mm256_maddubs_epi16(top1, x4(r, at + 20 + 4 * i)));
+              ia[r] = _mm256_add_epi32(ia[r], _mm256_add_epi32(_mm256_madd_epi16(lo, a_low), _mm256_madd_epi16(hi, a_high)));
+            }
+          }
+        } else {
+          const __m128i a16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + kFactors + j * 32));
+          const __m128i b16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + kFactors + j * 32 + 16));
+          a_low = a_high = _mm256_cvtepi8_epi16(h == 0 ? _mm_unpacklo_epi8(a16, a16) : _mm_unpackhi_epi8(a16, a16));
+          b = _mm256_cvtepi8_epi16(h == 0 ? _mm_unpacklo_epi8(b16, b16) : _mm_unpackhi_epi8(b16, b16));
+          __m256i sums[R];
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + i * 64));
+            const __m256i low = _mm256_and_si256(packed, low_nibbles), top = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low, x4(r, at + 4 * i)), _mm256_maddubs_epi16(top, x4(r, at + 16 + 4 * i)));
+              sums[r] = i == 0 ? both : _mm256_add_epi16(sums[r], both);
+            }
+          }
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(sums[r], a_low));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i pair = _mm256_set1_epi32(load4(sums16 + r * (k / 16) + sb * 16 + j * 2));
+          ib[r] = _mm256_add_epi32(ib[r], _mm256_madd_epi16(b, pair));
+        }
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + h * 8)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 16 + h * 8)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_set1_ps(xs[r * supers + sb]);
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(dv, s), total[r][h]);
+        total[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ib[r]), _mm256_mul_ps(mv, s), total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kBlock, total[r][0]);
+    _mm256_storeu_ps(out + r * kBlock + 8, total[r][1]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kBlock; ++c) {
+      float total = 0.f;
+      for (int64_t sb = 0; sb < supers; ++sb) {
+        const uint8_t* wb = w + sb * kBytes;
+        int32_t ia = 0, ib = 0;
+        for (int j = 0; j < 8; ++j) {
+          for (int half = 0; half < 2; ++half) {  // inputs 0-15, 16-31 of the sub-block
+            int32_t sum = 0;
+            for (int i = 0; i < 4; ++i)
+              for (int t = 0; t < 4; ++t) {
+                const int step = half * 4 + i;
+                int32_t q = (wb[j * 256 + i * 64 + c * 4 + t] >> (4 * half)) & 0x0F;
+                if constexpr (Format == kQ6K) q |= ((wb[2048 + j * 128 + (step % 2) * 64 + c * 4 + t] >> (2 * (step / 2))) & 3) << 4;
+                sum += q * x[r * k + sb * kSuper + j * 32 + 4 * step + t];
+              }
+            const int8_t* factors = reinterpret_cast<const int8_t*>(wb + kFactors + j * 32);
+            ia += sum * (Format == kQ6K ? factors[c * 2 + half] : factors[c]);
+          }
+          const int16_t* pair = sums16 + r * (k / 16) + sb * 16 + j * 2;
+          const int8_t* factors = reinterpret_cast<const int8_t*>(wb + kFactors + j * 32);
+          ib += Format == kQ6K ? factors[c * 2] * pair[0] + factors[c * 2 + 1] * pair[1] : factors[16 + c] * (pair[0] + pair[1]);
+        }
+        const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + kFactors + 256);
+        const float s = xs[r * supers + sb];
+        total = std::fma(static_cast<float>(ia), static_cast<float>(d[c]) * s, total);
+        total = std::fma(-static_cast<float>(ib), static_cast<float>(d[16 + c]) * s, total);
+      }
+      out[r * kBlock + c] = total;
+    }
+#endif
+}
+
+// A linear layer of K-quant groups as KQuantLinear holds them: `packed`, every group's super-blocks
+// one after another; `groups` [G, 3] int64: each group's byte offset, format (a fused q|k|v may
+// hold groups of both) and super-blocks along K; an optional bias. The same calls as Int8Layer: quantize the rows
+// (xq: the int8 rows, then their sums of 16 as int16; scales: each row's super-block scales),
+// then multiply.
+struct KQuantLayer {
+  const uint8_t* packed;
+  const int64_t* groups;
+  const float* bias;
+  int64_t count, supers, n;
+
+  KQuantLayer(const torch::Tensor& packed_, const torch::Tensor& groups_, const torch::Tensor& bias_, int64_t n_)
+      : packed(packed_.data_ptr<uint8_t>()), groups(groups_.data_ptr<int64_t>()),
+        bias(bias_.defined() && bias_.numel() ? bias_.data_ptr<float>() : nullptr), count(groups_.size(0)), supers(0), n(n_) {
+    TORCH_CHECK(packed_.dtype() == torch::kUInt8 && packed_.dim() == 1 && groups_.dtype() == torch::kInt64 && groups_.dim() == 2 &&
+                    groups_.size(1) == 3 && count > 0 && count * kBlock == n, "bad packed K-quant weights");
+    supers = groups[2];
+  }
+
+  int64_t k() const { return supers * kSuper; }
+
+  template <typename MakeRow>
+  void quantize(int64_t rows, int64_t k_in, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& scales) const {
+    TORCH_CHECK(k_in == k(), "packed K-quant weights do not match the input");
+    at_least(xq, rows * k() + rows * (k() / 16) * 2);
+    at_least(scales, rows * supers);
+    at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+      std::vector<float> row(k());
+      for (int64_t r = first; r < last; ++r) {
+        make_row(r, row.data());
+        quantize_super(row.data(), k(), reinterpret_cast<int8_t*>(xq.data()) + r * k(), scales.data() + r * supers, sums16(xq, rows) + r * (k() / 16));
+      }
+    });
+  }
+
+  int16_t* sums16(const std::vector<uint8_t>& xq, int64_t rows) const {
+    return reinterpret_cast<int16_t*>(const_cast<uint8_t*>(xq.data()) + rows * k());
+  }
+
+  void multiply(const std::vector<uint8_t>& xq, const std::vector<float>& scales, int64_t rows, float* out) const {
+    const int8_t* x = reinterpret_cast<const int8_t*>(xq.data());
+    const int16_t* sums = sums16(xq, rows);
+    at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
+      float part[kKRows * kBlock];
+      for (int64_t g = first; g < last; ++g) {
+        const uint8_t* w = packed + groups[3 * g];
+        in_row_groups(rows, kKRows, [&](int64_t r0, int take) {
+          const int8_t* xr = x + r0 * k();
+          const float* sr = scales.data() + r0 * supers;
+          const int16_t* br = sums + r0 * (k() / 16);
+          with_rows<kKRows>(take, [&](auto r) {
+            if (groups[3 * g + 1] == kQ6K) {
+              kquant_rows<kQ6K, decltype(r)::value>(xr, k(), sr, br, w, supers, part);
+            } else {
+              kquant_rows<kQ4K, decltype(r)::value>(xr, k(), sr, br, w, supers, part);
+            }
+          });
+          for (int r = 0; r < take; ++r)
+            for (int64_t c = 0; c < kBlock; ++c) {
+              const int64_t col = g * kBlock + c;
+              out[(r0 + r) * n + col] = bias ? part[r * kBlock + c] + bias[col] : part[r * kBlock + c];
+            }
+        });
+      }
+    });
+  }
+};
+
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor groups, c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "kquant_linear takes float32 [M, K]");
+  return apply_layer(KQuantLayer(packed, groups, bias.value_or(torch::Tensor()), n), x, n);
+}
+
 #if defined(__AVX512F__)
 // exp(x) for 16 lanes (Cody-Waite reduction, degree-6 polynomial; ~2 ulp). Each lane's result
 // depends on that lane's input only.
@@ -1404,7 +1661,7 @@ struct LayerWeights {
 // of the default verifier; trees and batched steps stay far below).
 constexpr size_t kKeptElements = size_t(1) << 20;
 
-// One Llama-family decoder layer with int8 or block linears over T new tokens x [T, hidden]:
+// One Llama-family decoder layer with int8, block or K-quant linears over T new tokens x [T, hidden]:
 //   x += o(attention(rotary(q, k), v)) with q|k|v = qkv(norm_in(x)), k and v written to the cache;
 //   x += down(silu(gate) * (up + delta)) with gate|up = gate_up(norm_post(x)),
 // the weights those of `layer`. The rows are segments, one per
@@ -1413,11 +1670,14 @@ constexpr size_t kKeptElements = size_t(1) << 20;
 // Every row's result depends on that row and its own cache alone, so sequences batched
 // together get exactly what each gets alone. Returns the new x.
 // A linear layer of a LayerWeights: its five tensors from index i (Int8Layer: packed, sums,
-// scale, bias, smoothing; BlockLayer: packed, bias, then three unused).
+// scale, bias, smoothing; BlockLayer: packed, bias, then three unused; KQuantLayer: packed,
+// groups, bias, then two unused).
 template <typename Layer>
 Layer layer_linear(const std::vector<torch::Tensor>& weights, int i, int64_t width) {
   if constexpr (std::is_same_v<Layer, BlockLayer>) {
     return BlockLayer(weights[i], weights[i + 1], width);
+  } else if constexpr (std::is_same_v<Layer, KQuantLayer>) {
+    return KQuantLayer(weights[i], weights[i + 1], weights[i + 2], width);
   } else {
     return Int8Layer(weights[i], weights[i + 1], weights[i + 2], weights[i + 3], weights[i + 4], width);
   }
@@ -1506,13 +1766,17 @@ torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::T
   return out;
 }
 
-// One Llama-family decoder layer with int8 or block linears (decoder_layer), by the layer's
-// packed weights: int8 for int8, uint8 blocks for block formats.
+// One Llama-family decoder layer with int8, block or K-quant linears (decoder_layer), by the
+// layer's packed weights: int8 for int8, uint8 [groups, blocks, bytes] for block formats, a flat
+// uint8 stream for K-quants.
 torch::Tensor native_decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::Tensor cos, torch::Tensor sin,
                                    std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> starts,
                                    std::vector<int64_t> counts, std::vector<torch::Tensor> masks, int64_t heads,
                                    c10::optional<torch::Tensor> delta) {
-  const auto run = layer.weights[1].dtype() == torch::kUInt8 ? &decoder_layer<BlockLayer> : &decoder_layer<Int8Layer>;
+  const torch::Tensor& packed = layer.weights[1];
+  const auto run = packed.dtype() != torch::kUInt8 ? &decoder_layer<Int8Layer>
+                   : packed.dim() == 1            ? &decoder_layer<KQuantLayer>
+                                                  : &decoder_layer<BlockLayer>;
   return run(x, layer, cos, sin, keys, values, starts, counts, masks, heads, delta);
 }
 
@@ -1531,5 +1795,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("attention", &attention, unlocked);
   py::class_<LayerWeights>(module, "LayerWeights").def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, double>());
   module.def("block_linear", &block_linear, unlocked);
+  module.def("kquant_linear", &kquant_linear, unlocked);
   module.def("native_decoder_layer", &native_decoder_layer, unlocked);
 }

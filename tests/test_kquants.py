@@ -1,0 +1,175 @@
+"""The `gguf` weight format (specdec/core/kquants.py): a GGUF file's Q4_K and Q6_K blocks served as
+stored. Their weights equal gguf-py's dequantization bit for bit, the native kernel and the torch
+ops compute the same sums, every row is independent of its pass, and the engine's exactness
+(tree pass = one-token steps, batched = alone) holds on models whose layers mix both formats."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from specdec.core.engine import LlamaEngine
+from specdec.core.hub import load_model_weights_only
+from specdec.core.int8 import Int8Linear
+from specdec.core.kquants import KQuantLinear, _llama_rows, decode, load_gguf_linears, pack, unpack
+from specdec.core.tree import DraftTree, verification_inputs
+from tests.tiny_models import build_model_dir
+
+# weights a block holds, its bytes, where its float16 factors lie
+LAYOUTS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q8_0": (32, 34, (0,))}
+
+
+def raw_blocks(kind: str, rows: int, columns: int, seed: int, scale: float = 0.01) -> np.ndarray:
+    """Random rows of a GGUF tensor as the file stores them: random quants and factors, float16
+    d (and dmin) of a real model's size."""
+    rng = np.random.default_rng(seed)
+    size, nbytes, factors = LAYOUTS[kind]
+    count = columns // size
+    blocks = rng.integers(0, 256, size=(rows, count, nbytes), dtype=np.uint8)
+    for at in factors:
+        factor = (np.abs(rng.standard_normal((rows, count))) * scale).astype(np.float16)
+        blocks[..., at : at + 2] = factor.view(np.uint8).reshape(rows, count, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_blocks_dequantize_as_gguf_py_does_and_pack_losslessly(kind):
+    raw = raw_blocks(kind, 48, 512, seed=1)
+    blocks = decode(raw, kind)
+    expected = quants.dequantize(raw, getattr(GGMLQuantizationType, kind))
+    assert np.array_equal(blocks.dequantize().numpy().view(np.uint32), expected.view(np.uint32))
+    (back,) = unpack(*pack(blocks))
+    assert all(torch.equal(getattr(back, f), getattr(blocks, f)) for f in ("q", "a", "b", "d", "dmin"))
+
+
+def mixed_layer(seed: int) -> tuple[KQuantLinear, KQuantLinear, KQuantLinear]:
+    """A fused layer of a Q4_K part and a Q6_K part (a Q4_K_M file's q|k|v), and its parts."""
+    first = KQuantLinear.from_blocks(decode(raw_blocks("Q4_K", 48, 768, seed), "Q4_K"), torch.randn(48))
+    second = KQuantLinear.from_blocks(decode(raw_blocks("Q6_K", 32, 768, seed + 1), "Q6_K"), torch.randn(32))
+    return KQuantLinear.side_by_side([first, second]), first, second
+
+
+def test_native_kernel_sums_what_the_torch_ops_sum_and_each_row_alone():
+    fused, first, second = mixed_layer(seed=2)
+    assert fused.kernels is not None
+    torch.manual_seed(0)
+    x = torch.randn(11, 768) * 3
+    x[3] = 0  # an all-zero row quantizes to zeros
+    native = fused(x)
+    assert torch.equal(native, torch.cat([first(x), second(x)], dim=1))
+    reference = fused._torch_forward(x)
+    assert torch.allclose(native, reference, rtol=1e-5, atol=1e-4 * reference.abs().max().item())
+    for rows in (1, 2, 3, 4, 5, 9):  # row groups of every size the kernel makes
+        assert torch.equal(fused(x[:rows]), native[:rows]), rows
+    assert torch.equal(torch.cat([fused(x[i : i + 1]) for i in range(len(x))]), native)
+    # the weights the sums stand for: dequantized blocks times the activations, to quantization error
+    weights = torch.cat([first.dequantized_weight(), second.dequantized_weight()])
+    dense = x @ weights.T + fused.bias
+    assert (native - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def kquant_model_dir(request, tmp_path_factory):
+    """A 2-layer model 256 wide (K-quant rows are multiples of 256)."""
+    return build_model_dir(tmp_path_factory.mktemp(request.param), seed=3, arch=request.param, width=256)
+
+
+def kquant_model(path, seed: int = 5) -> torch.nn.Module:
+    """The model with its decoder's linears replaced by random K-quant blocks: v and down Q6_K,
+    the rest Q4_K (as a Q4_K_M file stores them); its tiny vocabulary's head int8 (a float head's
+    sums would change with the pass)."""
+    model = load_model_weights_only(str(path), torch.float32).eval()
+    model.lm_head = Int8Linear.from_linear(model.lm_head)
+    for index, layer in enumerate(model.model.layers):
+        for owner, name in ((layer.self_attn, "q_proj"), (layer.self_attn, "k_proj"), (layer.self_attn, "v_proj"),
+                            (layer.self_attn, "o_proj"), (layer.mlp, "gate_proj"), (layer.mlp, "up_proj"), (layer.mlp, "down_proj")):
+            linear = getattr(owner, name)
+            kind = "Q6_K" if name in ("v_proj", "down_proj") else "Q4_K"
+            raw = raw_blocks(kind, linear.out_features, linear.in_features, seed=seed + 10 * index + len(name), scale=0.004)
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            setattr(owner, name, KQuantLinear.from_blocks(decode(raw, kind), bias))
+    return model
+
+
+def test_kquant_tree_pass_equals_one_token_steps_and_batches_equal_alone(kquant_model_dir):
+    engine = LlamaEngine(kquant_model(kquant_model_dir))
+    assert engine.native_layers is not None
+    context = [1, 5, 7, 3, 9, 11, 12, 4]
+    tree = DraftTree([4, 6, 8, 10, 11, 13, 5], [-1, -1, 0, 0, 1, 3, 5])
+    with torch.inference_mode():
+        cache = engine.new_cache()
+        engine(cache, context[:5])
+        positions, mask = verification_inputs(tree, 5, 3)
+        logits, _ = engine(cache, context[5:] + tree.token_ids, len(tree) + 1, position_ids=positions, attention_mask=mask)
+        for node in range(len(tree)):
+            step_cache = engine.new_cache()
+            engine(step_cache, context[:5])
+            for token in context[5:] + [tree.token_ids[n] for n in tree.path_to(node)]:
+                step_logits, _ = engine(step_cache, [token])
+            assert torch.equal(step_logits[-1], logits[node + 1]), f"node {node}"
+        together = engine.forward_many([c for c in _two_calls(engine)])
+        alone = [engine.forward_many([c])[0] for c in _two_calls(engine)]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(together, alone))
+
+
+def _two_calls(engine):
+    from specdec.core.engine import ForwardCall
+
+    return [ForwardCall(engine.new_cache(), [1, 5, 7, 3, 9], 2), ForwardCall(engine.new_cache(), [6, 1, 4], 1, prefill=True)]
+
+
+def write_gguf(path, model, kinds: dict[str, str], seed: int) -> dict[str, np.ndarray]:
+    """A GGUF file holding the model's decoder linears (and its LM head as `output`) as random
+    K-quant blocks of the given kinds; the model's weights are set to what they dequantize to
+    (what transformers would load from the file). Returns the raw rows by GGUF name."""
+    writer = GGUFWriter(str(path), model.config.model_type)
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    targets = {f"blk.{i}.{g}.weight": f"model.layers.{i}.{m}" for i in range(model.config.num_hidden_layers) for g, m in names.items()}
+    targets["output.weight"] = "lm_head"
+    modules = dict(model.named_modules())
+    raws = {}
+    for offset, (name, target) in enumerate(targets.items()):
+        linear = modules[target]
+        kind = kinds.get(name.split(".")[-2], "Q4_K")
+        raw = raw_blocks(kind, linear.out_features, linear.in_features, seed=seed + offset, scale=0.004)
+        quant_type = getattr(GGMLQuantizationType, kind)
+        dequantized = torch.from_numpy(quants.dequantize(raw, quant_type))
+        if model.config.model_type == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = model.config.num_attention_heads if "attn_q" in name else model.config.num_key_value_heads
+            dequantized = dequantized[_llama_rows(len(raw), heads)]
+        linear.weight.data = dequantized.clone()
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=quant_type)
+        raws[name] = raw
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return raws
+
+
+def test_a_gguf_files_blocks_replace_the_models_linears(kquant_model_dir, tmp_path):
+    """load_gguf_linears reads each tensor's own blocks (llama's q and k rows in transformers'
+    order), so the served weights are the file's; a model that is not the file's, or a file
+    storing its linears in another format, is refused with the tensor named."""
+    model = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, 16 * (model.config.vocab_size // 16 + 1), bias=False)
+    model.config.tie_word_embeddings = False
+    write_gguf(tmp_path / "model.gguf", model, {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}, seed=7)
+    expected = {name: module.weight.detach().clone() for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    load_gguf_linears(model, tmp_path / "model.gguf")
+    served = {name: module for name, module in model.named_modules() if isinstance(module, KQuantLinear)}
+    assert set(served) == set(expected)
+    for name, module in served.items():
+        assert torch.equal(module.dequantized_weight(), expected[name]), name
+
+    stranger = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
+    stranger.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight in model.gguf does not dequantize to the model's"):
+        load_gguf_linears(stranger, tmp_path / "model.gguf")
+    q8 = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
+    q8.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
+    write_gguf(tmp_path / "q8.gguf", q8, {"ffn_up": "Q8_0"}, seed=8)
+    with pytest.raises(ValueError, match="stores linears as Q8_0; dtype gguf serves Q4_K, Q6_K"):
+        load_gguf_linears(q8, tmp_path / "q8.gguf")
