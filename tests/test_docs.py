@@ -34,6 +34,13 @@ def test_every_result_file_is_cited():
     assert not orphans, f"docs/benchmarks files no page cites (cite them or delete them): {orphans}"
 
 
+def test_every_plot_is_shown():
+    """A plot kept in docs/benchmarks is on a page, next to what it measured."""
+    shown = set(re.findall(r"!\[[^\]]*\]\((?:docs/)?benchmarks/([\w.-]+\.png)\)", _text()))
+    hidden = sorted(p.name for p in RESULTS.glob("*.png") if p.name not in shown)
+    assert not hidden, f"plots no page shows (show them where their JSON is cited, or delete them): {hidden}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
 def test_every_cited_file_exists(page):
     missing = sorted({path for path in CITED_PATH.findall(page.read_text()) if not (REPO / path.rstrip(".")).exists()})
@@ -49,3 +56,29 @@ def test_pages_speak_of_the_project_not_its_history(page):
 def test_the_readme_stays_short():
     """What it is, the two commands, the architecture, the APIs, configuration, results; the rest in docs/."""
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+YAML_BLOCK = re.compile(r"```yaml\n(.*?)```", re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_the_config_examples_load(page, tmp_path):
+    """Every YAML example a page shows is a config the code accepts (what a reader copies must
+    work); the files it names (`*_file` keys) are made in a scratch directory first."""
+    import yaml
+
+    from specdec.serving.config import config_from_dict
+
+    def with_files(node):
+        if isinstance(node, dict):
+            return {key: _scratch_file(tmp_path, value) if key.endswith("_file") else with_files(value) for key, value in node.items()}
+        return node
+
+    for block in YAML_BLOCK.findall(page.read_text()):
+        config_from_dict(with_files(yaml.safe_load(block)))
+
+
+def _scratch_file(directory: Path, name: str) -> str:
+    path = directory / Path(name).name
+    path.write_text("example-token\n")
+    return str(path)
