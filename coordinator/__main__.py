@@ -7,7 +7,7 @@ import logging
 
 from coordinator.server import start
 from specdec.serving.config import ConfigError, load_config
-from specdec.serving.app import in_process_services
+from specdec.app import in_process_services
 from specdec.serving.rpc import serve_until_terminated
 
 

@@ -62,7 +62,7 @@ class Plan:
         return self.method == "chain" and not self.ngram
 
 
-@dataclass
+@dataclass(kw_only=True)  # eleven numbers of one round: named, so none can swap places
 class RoundReport:
     plan: Plan
     accepted: int  # draft tokens accepted

@@ -285,8 +285,9 @@ class _Rounds:
         self.ahead = None
         verdict, call = self.session.verify(None, fused_tokens=fused, features=features)
         report = RoundReport(
-            Plan(0), 0, 0, len(verdict.token_ids), 0.0, call.compute_ms, 0.0, call.overhead_ms, call.opened,
-            verdict.batch_rows, verdict.batch_sessions,
+            plan=Plan(0), accepted=0, depth=0, verified_tokens=len(verdict.token_ids), draft_ms=0.0, verify_ms=call.compute_ms,
+            draft_wire_ms=0.0, verify_wire_ms=call.overhead_ms, opened=call.opened,
+            batch_rows=verdict.batch_rows, batch_sessions=verdict.batch_sessions,
         )
         if not report.opened:
             self.costs.observe(1, call.compute_ms, call.overhead_ms, generated=len(verdict.token_ids))
@@ -311,9 +312,10 @@ class _Rounds:
                 self.ahead = (next_draft, next_call, plan) if hit else None
         nodes = len(structure)
         report = RoundReport(
-            plan, verdict.num_accepted_draft_tokens, max(structure.depths(), default=0), 1 + nodes,
-            drafted.exposed_draft_ms, call.compute_ms, drafted.exposed_wire_ms, call.overhead_ms, call.opened or drafted.call.opened,
-            verdict.batch_rows, verdict.batch_sessions,
+            plan=plan, accepted=verdict.num_accepted_draft_tokens, depth=max(structure.depths(), default=0), verified_tokens=1 + nodes,
+            draft_ms=drafted.exposed_draft_ms, verify_ms=call.compute_ms, draft_wire_ms=drafted.exposed_wire_ms,
+            verify_wire_ms=call.overhead_ms, opened=call.opened or drafted.call.opened,
+            batch_rows=verdict.batch_rows, batch_sessions=verdict.batch_sessions,
         )
         if not call.opened:
             self.costs.observe(1 + nodes, call.compute_ms, call.overhead_ms)

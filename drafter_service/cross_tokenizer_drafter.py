@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_service.drafting import Drafter, DrafterSession
+from drafter_service.drafting import Drafter, DrafterSession, WrappedDrafter
 from drafter_service.tokenizer_bridge import FollowedText, TokenizerBridge, common_prefix
 from specdec.core.batching import Job
 from specdec.core.models import tokenizer_fingerprint
@@ -25,13 +25,14 @@ class CrossState:
     own: DrafterSession  # the inner drafter's session, in its own tokens
 
 
-class CrossTokenizerDrafter(Drafter):
+class CrossTokenizerDrafter(WrappedDrafter):
     """`inner` drafts in `own` tokens; requests and drafts carry `verifier` tokens. Its budget
     in own tokens follows the verifier tokens an own token has become so far (EMA), so that a
     draft fills the verifier's node budget."""
 
     def __init__(self, inner: Drafter, bridge: TokenizerBridge, max_ngram: int, cap: int):
-        self.inner, self.bridge, self.max_ngram, self.cap = inner, bridge, max_ngram, cap
+        super().__init__(inner)
+        self.bridge, self.max_ngram, self.cap = bridge, max_ngram, cap
         self.info = dataclasses.replace(
             inner.info, vocab_size=len(bridge.verifier), fingerprint=tokenizer_fingerprint(bridge.verifier),
             eos_ids=sorted({bridge.verifier.eos_token_id} - {None}),
@@ -54,9 +55,6 @@ class CrossTokenizerDrafter(Drafter):
 
     def end_round(self, session: DrafterSession) -> None:
         self.inner.end_round(session.state.own)
-
-    def forward_many(self, forwards: list) -> list:
-        return self.inner.forward_many(forwards)
 
     def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
         """No guess of a single verifier token ahead: overlapped rounds draft nothing here."""

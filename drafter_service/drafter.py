@@ -61,12 +61,13 @@ class DrafterEngine:
     def forward_many(self, forwards: list) -> list[Any]:
         return self.drafter.forward_many(forwards)
 
-    def draft(self, *args, **kwargs) -> Draft:
+    def draft(self, **request) -> Draft:
         """draft_job run alone, on this thread."""
-        return run_alone(self.draft_job(*args, **kwargs), self.forward_many)
+        return run_alone(self.draft_job(**request), self.forward_many)
 
     def draft_job(
         self,
+        *,
         session_id: str,
         session: DrafterSession,
         new_tokens: list[int],

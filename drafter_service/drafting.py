@@ -120,6 +120,42 @@ class Drafter(ABC):
         return 0
 
 
+
+class WrappedDrafter(Drafter):
+    """A drafter around another (`inner`): every hook of the interface goes to `inner` unless
+    the wrapper overrides it, so a wrapper cannot miss one (tests/test_ngram.py checks that
+    each of Drafter's hooks is forwarded here)."""
+
+    def __init__(self, inner: Drafter):
+        self.inner, self.info = inner, inner.info
+
+    def new_state(self, context: list[int], sampling: Sampling) -> Any:
+        return self.inner.new_state(context, sampling)
+
+    def check(self, shape: TreeShape) -> None:
+        self.inner.check(shape)
+
+    def begin_round(self, session: DrafterSession, steering: torch.Tensor | None) -> float:
+        return self.inner.begin_round(session, steering)
+
+    def end_round(self, session: DrafterSession) -> None:
+        self.inner.end_round(session)
+
+    def take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
+        self.inner.take_features(session, start, rows)
+
+    def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
+        return (yield from self.inner.pick(session, context, shape, excludes))
+
+    def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
+        return (yield from self.inner.draft(session, context, shape, budget))
+
+    def forward_many(self, forwards: list) -> list:
+        return self.inner.forward_many(forwards)
+
+    def state_bytes(self, state: Any) -> int:
+        return self.inner.state_bytes(state)
+
 def ngram_draft(session: DrafterSession, proposer: NgramProposer, context: list[int], budget: int, max_depth: int) -> NgramDraft:
     """The proposer's draft after `context`; one made right after the committed tokens is kept,
     to learn from what gets committed next."""

@@ -72,8 +72,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 raise invalid(str(err)) from None
         with dropped_on_failure(self.engine.sessions, request.session_id):
             job = self.engine.draft_job(
-                request.session_id, session, list(request.new_token_ids), request.committed_length, request.num_draft_tokens, shape,
-                list(request.assumed_token_ids), steering, features, list(request.pick_excludes), request.round,
+                session_id=request.session_id, session=session, new_tokens=list(request.new_token_ids),
+                committed_length=request.committed_length, num_tokens=request.num_draft_tokens, shape=shape,
+                assumed=list(request.assumed_token_ids), steering=steering, features=features,
+                pick_excludes=list(request.pick_excludes), round_number=request.round,
             )
             draft = self.batcher.run(job, request.session_id)  # the drafts of sessions that arrive together share forwards
         self.engine.sessions.fit(request.session_id)  # the grown cache may push others out

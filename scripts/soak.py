@@ -141,7 +141,7 @@ def main() -> None:
     else:
         import ray
 
-        from specdec.serving.launch import start_stack, stop_stack
+        from specdec.app.launch import start_stack, stop_stack
 
         if args.address is None:
             try:

@@ -42,9 +42,9 @@ def _app_args(args) -> dict:
 
 def cmd_serve(args) -> int:
     from specdec.core.oracle import NOT_SERVED, is_oracle
-    from specdec.serving.app import build_config
+    from specdec.app import build_config
     from specdec.serving.config import ConfigError
-    from specdec.serving.launch import start_stack, stop_stack
+    from specdec.app.launch import start_stack, stop_stack
 
     print("starting Ray Serve: drafter, verifier and coordinator (first start converts the default model once)...", flush=True)
     try:

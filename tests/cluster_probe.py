@@ -19,7 +19,7 @@ def main() -> None:
     import grpc
 
     from specdec.serving.client import CoordinatorClient, generate_request
-    from specdec.serving.launch import start_stack
+    from specdec.app.launch import start_stack
     from specdec.serving.rpc import MeasuredClient
     from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
     from specdec.v1 import common_pb2

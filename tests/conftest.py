@@ -53,7 +53,7 @@ def local_stack(config_dict: dict):
     import coordinator.server
     import drafter_service.server
     import verifier_service.server
-    from specdec.serving.app import in_process_services
+    from specdec.app import in_process_services
 
     config = config_from_dict(config_dict)
     config.coordinator.port = 0

@@ -110,7 +110,8 @@ def assert_drafts_batch_exactly(engine, shape: TreeShape, features=lambda commit
         new = [] if round_number == 1 else [3, 5]  # the second round commits two tokens first
         return [
             engine.draft_job(
-                f"{tag}{i}", s, new, len(p) + len(new), 5, shape, features=features(len(p) + len(new)), round_number=round_number
+                session_id=f"{tag}{i}", session=s, new_tokens=new, committed_length=len(p) + len(new), num_tokens=5, shape=shape,
+                features=features(len(p) + len(new)), round_number=round_number,
             )
             for i, (s, p) in enumerate(zip(sessions, PROMPTS))
         ]

@@ -25,7 +25,7 @@ def bench_files(tiny_dirs, tmp_path):
     return ["--config", str(config), "--prompts", str(prompts), "--num-prompts", "2"], tmp_path
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # 70 s; the bench through the services runs in CI as test_bench_without_in_process_rows_compares_the_services_alone
 def test_bench_compares_both_placements_with_the_oracle_ceiling(bench_files):
     common, tmp_path = bench_files
     out = tmp_path / "bench.json"

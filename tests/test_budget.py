@@ -40,14 +40,16 @@ class World:
 
     def round(self, plan: Plan) -> RoundReport:
         if plan.budget == 0:
-            return RoundReport(plan, 0, 0, FUSED_BLOCK, 0.0, FUSED_BLOCK * self.verify_ms(1), 0.0, self.rtt_ms)
+            return RoundReport(plan=plan, accepted=0, depth=0, verified_tokens=FUSED_BLOCK, draft_ms=0.0,
+                               verify_ms=FUSED_BLOCK * self.verify_ms(1), draft_wire_ms=0.0, verify_wire_ms=self.rtt_ms)
         depth = plan.budget if plan.method == "chain" else plan.budget // 4
         alpha = self.alpha if plan.method == "chain" else min(0.95, self.alpha * 1.25)
         accepted = 0
         while accepted < depth and self.random.random() < alpha:
             accepted += 1
         draft_ms = (4.0 if plan.method == "chain" else 5.0) * depth
-        return RoundReport(plan, accepted, depth, 1 + plan.budget, draft_ms, self.verify_ms(1 + plan.budget), self.rtt_ms, self.rtt_ms)
+        return RoundReport(plan=plan, accepted=accepted, depth=depth, verified_tokens=1 + plan.budget, draft_ms=draft_ms,
+                           verify_ms=self.verify_ms(1 + plan.budget), draft_wire_ms=self.rtt_ms, verify_wire_ms=self.rtt_ms)
 
     def expected_tokens_per_s(self, plan: Plan) -> float:
         trials = [self.round(plan) for _ in range(4000)]
@@ -137,8 +139,9 @@ class LoadedWorld(World):
         solo = super().round(plan)
         rows = self.sessions * (1 if plan.budget == 0 else 1 + plan.budget)
         passes = FUSED_BLOCK if plan.budget == 0 else 1
-        return RoundReport(plan, solo.accepted, solo.depth, solo.verified_tokens, solo.draft_ms * 1.5 / 4.0, passes * self.pass_ms(rows),
-                           0.0, 0.0, batch_rows=rows, batch_sessions=self.sessions)
+        return RoundReport(plan=plan, accepted=solo.accepted, depth=solo.depth, verified_tokens=solo.verified_tokens,
+                           draft_ms=solo.draft_ms * 1.5 / 4.0, verify_ms=passes * self.pass_ms(rows),
+                           draft_wire_ms=0.0, verify_wire_ms=0.0, batch_rows=rows, batch_sessions=self.sessions)
 
 
 @pytest.mark.parametrize("sessions", [1, 4, 32])
@@ -193,14 +196,16 @@ def test_rounds_that_read_a_prompt_teach_acceptance_but_not_cost():
     controller = BudgetController(PLANS, FUSED_BLOCK)
     for request in range(20):
         first = world.round(Plan(0))
-        controller.observe(RoundReport(first.plan, 0, 0, 1, 0.0, 40 * world.verify_ms(1), 0.0, 0.0, opened=True))
+        controller.observe(RoundReport(plan=first.plan, accepted=0, depth=0, verified_tokens=1, draft_ms=0.0,
+                                       verify_ms=40 * world.verify_ms(1), draft_wire_ms=0.0, verify_wire_ms=0.0, opened=True))
         for _ in range(20):
             plan = controller.choose()
             controller.observe(world.round(plan))
     assert preferred(settle(controller, world, rounds=100)) == Plan(0)
     assert controller.pass_ms(1) == pytest.approx(world.verify_ms(1), rel=1e-3)
     report = world.round(Plan(4))
-    opened = RoundReport(report.plan, 4, 4, 5, 900.0, 900.0, 0.0, 0.0, opened=True)
+    opened = RoundReport(plan=report.plan, accepted=4, depth=4, verified_tokens=5, draft_ms=900.0, verify_ms=900.0,
+                         draft_wire_ms=0.0, verify_wire_ms=0.0, opened=True)
     before = controller.draft_ms[Plan(4)].value
     controller.observe(opened)
     assert controller.draft_ms[Plan(4)].value == before and controller.reach[4].value > 0
@@ -209,7 +214,8 @@ def test_rounds_that_read_a_prompt_teach_acceptance_but_not_cost():
 def test_chains_share_one_acceptance_profile():
     controller = BudgetController(PLANS, FUSED_BLOCK)
     for _ in range(50):  # only chains of 8 measured, every draft accepted up to depth 3
-        controller.observe(RoundReport(Plan(8), 3, 8, 9, 32.0, 60.0, 1.0, 1.0))
+        controller.observe(RoundReport(plan=Plan(8), accepted=3, depth=8, verified_tokens=9, draft_ms=32.0, verify_ms=60.0,
+                                       draft_wire_ms=1.0, verify_wire_ms=1.0))
     assert controller.expected_accepted(Plan(2)) == pytest.approx(2.0)
     assert controller.expected_accepted(Plan(4)) == pytest.approx(3.0, abs=0.1)  # the prior still counts a little
 
@@ -218,8 +224,10 @@ def test_hybrid_plans_keep_their_own_acceptance():
     hybrid = Plan(8, "chain", "suffix")
     controller = BudgetController([Plan(0), Plan(8), hybrid], FUSED_BLOCK)
     for _ in range(50):  # n-gram candidates make the hybrid chain accept far more than the plain one
-        controller.observe(RoundReport(Plan(8), 1, 8, 9, 32.0, 60.0, 1.0, 1.0))
-        controller.observe(RoundReport(hybrid, 5, 8, 9, 24.0, 60.0, 1.0, 1.0))
+        controller.observe(RoundReport(plan=Plan(8), accepted=1, depth=8, verified_tokens=9, draft_ms=32.0, verify_ms=60.0,
+                                       draft_wire_ms=1.0, verify_wire_ms=1.0))
+        controller.observe(RoundReport(plan=hybrid, accepted=5, depth=8, verified_tokens=9, draft_ms=24.0, verify_ms=60.0,
+                                       draft_wire_ms=1.0, verify_wire_ms=1.0))
     assert hybrid.label == "chain-8+suffix"
     assert controller.expected_accepted(Plan(8)) == pytest.approx(1.0, abs=0.1)  # the prior still counts a little
     assert controller.expected_accepted(hybrid) == pytest.approx(5.0, abs=0.3)

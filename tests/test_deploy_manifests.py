@@ -20,10 +20,10 @@ from pydantic import BaseModel
 from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
-from specdec.serving.app import build_app, build_config
+from specdec.app import build_app, build_config
 from specdec.serving.autoscaling import SessionsPolicy
 from specdec.serving.config import Config
-from specdec.serving.launch import COORDINATOR_SERVICER
+from specdec.app.launch import COORDINATOR_SERVICER
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_YAML = REPO / "deploy" / "serve.yaml"
@@ -265,7 +265,7 @@ def test_serve_config_matches_ray_serve_schema(source):
     data = _serve_configs()[source]
     model = _parse_serve_config(data)
     app = next(a for a in model.applications if a.name == APP_NAME)
-    assert app.import_path == "specdec.serving.app:build_app"
+    assert app.import_path == "specdec.app:build_app"
     assert len(model.applications) == 1
 
 

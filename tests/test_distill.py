@@ -173,6 +173,7 @@ def assert_resumes_after_kill(command: str, recipe, tmp_path: Path, steps: int, 
     assert len(report["history"]) == steps and report["history"][-1]["step"] == steps
 
 
+@pytest.mark.slow  # 35 s; the same resume path runs in CI for the feature head (test_training_resumes_after_a_kill)
 def test_distillation_resumes_after_a_kill(tiny_dirs, tiny_prompts, tmp_path):
     cfg = tiny_recipe(tiny_dirs, tiny_prompts, tmp_path / "run", steps=400, checkpoint_every=5)
     assert_resumes_after_kill("distill", cfg, tmp_path, 400, ["--steps", "400"])

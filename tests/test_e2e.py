@@ -32,7 +32,7 @@ def serve_ports() -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def ray_stack(serve_ports):
-    from specdec.serving.launch import start_stack, stop_stack
+    from specdec.app.launch import start_stack, stop_stack
 
     port = free_port()
     address = start_stack({"coordinator": {"port": port}}, port, http_port=serve_ports["http"], grpc_proxy_port=serve_ports["grpc"])
@@ -161,7 +161,7 @@ def test_openai_client_through_serves_http_proxy_gets_the_grpc_text(ray_stack, s
 @pytest.mark.e2e
 def test_serves_grpc_proxy_routes_the_coordinator_api(ray_stack, serve_ports):
     """Clients may come in through Serve's own gRPC proxy (metadata `application` names the app)."""
-    from specdec.serving.launch import APP_NAME
+    from specdec.app.launch import APP_NAME
 
     request = coordinator_pb2.GenerateRequest(prompt="Name a colour.", use_chat_template=True, max_new_tokens=24)
     with grpc.insecure_channel(ray_stack) as direct, grpc.insecure_channel(f"localhost:{serve_ports['grpc']}") as proxied:

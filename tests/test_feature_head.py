@@ -65,7 +65,8 @@ def test_training_time_test_computes_what_a_live_draft_computes(head_dir):
     context = [1, 4, 7, 3, 9, 5]
     features = torch.randn(len(context) + 3, head.hidden_size)
     session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
-    tree = drafter.draft("s", session, [], len(context), 3, TreeShape("chain"), features=(0, features[: len(context) - 1])).tree
+    tree = drafter.draft(session_id="s", session=session, new_tokens=[], committed_length=len(context), num_tokens=3,
+                         shape=TreeShape("chain"), features=(0, features[: len(context) - 1])).tree
     chain = tree.token_ids
     assert tree.parent == [-1, 0, 1]
     sequence = torch.tensor([context + chain])
@@ -191,6 +192,7 @@ def test_a_coordinator_running_the_verifier_decodes_exactly(tiny_dirs, head_dir,
         client.close()
 
 
+@pytest.mark.slow  # 50 s; a head changes the drafts, not their verification (sampled in CI by test_services.py)
 def test_sampling_through_the_feature_head_follows_the_verifier(feature_stack, tiny_verifier):
     """Power: a TVD of 0.046 (mass moved between the two likeliest cells) is caught half the
     time over its 1,500 draws (tests/stats.py detectable_tvd)."""
@@ -302,7 +304,8 @@ def test_an_int8_head_drafts_like_the_float32_head(head_dir):
     for dtype in ("float32", "int8"):
         drafter = drafter_for(ModelSpec(str(head_dir), dtype=dtype))
         session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
-        tree = drafter.draft("s", session, [], len(context), 6, TreeShape("dynamic", width=2), features=features).tree
+        tree = drafter.draft(session_id="s", session=session, new_tokens=[], committed_length=len(context), num_tokens=6,
+                                 shape=TreeShape("dynamic", width=2), features=features).tree
         chains.append(tree)
     assert len(chains[1]) == 6 and chains[1].token_ids[0] == chains[0].token_ids[0]
     with pytest.raises(ValueError, match="float32 or int8"):

@@ -79,14 +79,14 @@ def test_serving_needs_no_bench_or_train():
 
 
 # Layers from the bottom: nothing imports a layer above its own, and the services (the two
-# model services and the coordinator) know each other only by their protos. The composition root (the Serve app, the launcher, each
-# package's `python -m` entry point) builds the services and wires them together.
+# model services and the coordinator) know each other only by their protos. The composition root
+# (`specdec.app`: the Serve app and the launcher; each package's `python -m` entry point) builds
+# the services and wires them together.
 LAYERS = ("core", "serving plumbing", "model services", "coordinator", "composition root", "cli, bench and training")
-COMPOSITION_ROOT = {"specdec.serving.app", "specdec.serving.launch"}
 
 
 def layer_of(module: str) -> int:
-    if module.endswith(".__main__") or module in COMPOSITION_ROOT:
+    if module.endswith(".__main__") or module == "specdec.app" or module.startswith("specdec.app."):
         return 4
     if module == "specdec" or module.startswith(("specdec.cli", "specdec.bench", "specdec.train")):
         return 5

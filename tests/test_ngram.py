@@ -169,7 +169,7 @@ def test_a_model_free_drafter_pairs_with_any_tokenizer(tiny_dirs):
     assert list(response.token_ids) == hf_greedy(verifier, ids, 30)
 
 
-@pytest.mark.parametrize("drafter", ["prompt-lookup", "model+prompt-lookup"])
+@pytest.mark.parametrize("drafter", [pytest.param("prompt-lookup", marks=pytest.mark.slow), "model+prompt-lookup"])  # CI: the hybrid
 def test_sampling_with_ngram_drafts_follows_the_verifier_distribution(tiny_dirs, tiny_verifier, drafter):
     """Power: a TVD of 0.021 (mass moved between the two likeliest cells) is caught half the
     time over its 2,000 draws (tests/stats.py detectable_tvd)."""
@@ -223,7 +223,8 @@ def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, me
             session = engine.open_session(session_id, context, Sampling(temperature=temperature, seed=7), "")
             trees[engine, session_id], forwards[engine, session_id], new = [], 0, []
             for _ in range(6):  # each round commits the draft's first two tokens
-                draft = engine.draft(session_id, session, new, len(session.tokens) + len(new), 6, shape)
+                draft = engine.draft(session_id=session_id, session=session, new_tokens=new,
+                                     committed_length=len(session.tokens) + len(new), num_tokens=6, shape=shape)
                 trees[engine, session_id].append((draft.tree.token_ids, draft.tree.parent))
                 forwards[engine, session_id] += draft.forward_passes
                 new = draft.tree.token_ids[:1] + draft.tree.token_ids[1:2] if draft.tree.parent[1:2] == [0] else draft.tree.token_ids[:1]
@@ -270,3 +271,14 @@ def test_each_request_chooses_its_ngram_candidates(tiny_dirs, tiny_verifier):
             client.generate(generate_request(prompt_token_ids=ids, tree=shape_to_proto(TreeShape(ngram="none"))))
         client.close()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "has no model" in err.value.details()
+
+
+def test_a_wrapped_drafter_forwards_every_hook():
+    """HybridDrafter and CrossTokenizerDrafter wrap another drafter: every hook of the interface
+    reaches the inner one unless they override it."""
+    import inspect
+
+    from drafter_service.drafting import Drafter, WrappedDrafter
+
+    hooks = {name for name, member in vars(Drafter).items() if inspect.isfunction(member) and not name.startswith("_")}
+    assert hooks <= set(vars(WrappedDrafter)), sorted(hooks - set(vars(WrappedDrafter)))

@@ -15,7 +15,7 @@ from specdec.core.models import hf_greedy
 from specdec.serving.autoscaling import SessionsPolicy, replicas_for
 from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.config import config_from_dict
-from specdec.serving.launch import APP_NAME
+from specdec.app.launch import APP_NAME
 from tests.conftest import free_port, tiny_config
 
 PROMPTS = [[1, 3, 4, 5], [1, 7], [1, 4, 4, 9, 12, 0], [1, 11, 3, 8, 8, 2, 5, 6], [2, 5, 9], [1, 6, 6, 3, 10]]
@@ -187,7 +187,7 @@ def deploy_declaratively(config: dict, deployments: list[dict]) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     app = {
-        "name": APP_NAME, "route_prefix": "/", "import_path": "specdec.serving.app:build_app", "args": config, "deployments": deployments
+        "name": APP_NAME, "route_prefix": "/", "import_path": "specdec.app:build_app", "args": config, "deployments": deployments
     }
     _get_global_client().deploy_apps(ServeDeploySchema(proxy_location="Disabled", applications=[app]))
 
@@ -196,7 +196,7 @@ def deploy_declaratively(config: dict, deployments: list[dict]) -> None:
 def serve_app(config: dict, deployments: list[dict]):
     from ray import serve
 
-    from specdec.serving.launch import start_local_ray, stop_stack
+    from specdec.app.launch import start_local_ray, stop_stack
     from specdec.serving.rpc import wait_until_serving
 
     config["coordinator"]["auth"] = {"service_token": "t"}  # a random one per deploy would change the args
@@ -212,7 +212,7 @@ def serve_app(config: dict, deployments: list[dict]):
         stop_stack()
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # 140 s of Serve autoscaling; sessions shared across replicas run in CI (test_two_replicas_...)
 def test_under_serve_replicas_scale_by_sessions_share_them_and_scaling_down_costs_no_request(tiny_dirs, tiny_verifier):
     """One app, as `serve deploy` runs it: two coordinators, two drafters, and a verifier that
     SessionsPolicy grows from one replica to two under load. Then an in-place scale-down to one

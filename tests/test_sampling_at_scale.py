@@ -15,6 +15,8 @@ from tests.conftest import local_stack, tiny_config
 from tests.stats import assert_matches_distribution, check_sequences, detectable_tvd, exact_joint, sampled_through
 from tests.tiny_models import build_model_dir, build_perturbed_copy
 
+pytestmark = pytest.mark.slow  # 2-4 minutes each; the same verification at a small vocabulary runs in CI
+
 VOCAB = 2048
 EOS = 2
 PROMPT = [1, 40, 900, 77]

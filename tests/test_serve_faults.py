@@ -16,7 +16,7 @@ PROMPT = [3, 7, 5, 9]
 
 @pytest.fixture(scope="module")
 def serve_stack(tiny_dirs):
-    from specdec.serving.launch import start_stack, stop_stack
+    from specdec.app.launch import start_stack, stop_stack
 
     port = free_port()
     link = {"rtt_ms": 10}  # slow rounds down, so a replica can be killed mid-stream
@@ -89,7 +89,7 @@ def test_a_coordinator_running_the_verifier_serves_exactly_under_serve(serve_sta
     drafter's replica."""
     from ray import serve
 
-    from specdec.serving.launch import deploy
+    from specdec.app.launch import deploy
 
     port = free_port()
     address = deploy(tiny_config(tiny_dirs, port=port, verifier_in_process=True), port, name="colocated")

@@ -263,6 +263,7 @@ def test_steering_changes_the_drafts_and_costs_two_vectors_per_round(steered_sta
     assert steered.accepted_draft_tokens != plain.accepted_draft_tokens or steered.rounds != plain.rounds
 
 
+@pytest.mark.slow  # 50 s; steering changes the drafts, not their verification (sampled in CI by test_services.py)
 def test_steered_sampling_follows_the_verifier_distribution(steered_stack, verifier4):
     """Power: a TVD of 0.038 (mass moved between the two likeliest cells) is caught half the
     time over its 1,500 draws (tests/stats.py detectable_tvd)."""
@@ -402,7 +403,8 @@ def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(ste
         drafts = []
         for i, (engine, session) in enumerate(zip((plain, staged), sessions)):
             drafts.append(
-                engine.draft("s", session, new, len(session.tokens) + len(new), 6, TreeShape("chain"), steering=vector).tree.token_ids
+                engine.draft(session_id="s", session=session, new_tokens=new, committed_length=len(session.tokens) + len(new), num_tokens=6,
+                             shape=TreeShape("chain"), steering=vector).tree.token_ids
             )
         assert drafts[1] == drafts[0]
         # Commit the whole draft and then, where the staged drafter fed a guess after it, that

@@ -86,7 +86,7 @@ class LocalCluster:
         """Deploys the app on this cluster as `specdec serve --ray-address` does, each service
         on the node of its resource (PLACEMENT: the head hosts the coordinator); returns the
         client address (`port` on the coordinator's node)."""
-        from specdec.serving.launch import start_stack
+        from specdec.app.launch import start_stack
 
         placed = {**app_args}
         for section, resource in PLACEMENT.items():

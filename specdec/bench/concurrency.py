@@ -38,7 +38,7 @@ def concurrency_policies(tree_method: str, budget: int) -> list[tuple[str, dict]
 
 def run_concurrency(args, config, chat_ids: list[list[int]], app_args: dict, tree_method: str, budget: int) -> dict:
     from specdec.serving.client import CoordinatorClient, generate_request, server_token
-    from specdec.serving.launch import start_stack, stop_stack
+    from specdec.app.launch import start_stack, stop_stack
 
     levels = [int(n) for n in args.concurrency.split(",")]
     limit = config.limits.max_concurrent_requests

@@ -51,7 +51,7 @@ def run_rtt_sweep(args, config, chat_ids: list[list[int]], app_args: dict, place
     from ray import serve
 
     from specdec.serving.client import CoordinatorClient, generate_request, server_token
-    from specdec.serving.launch import beside_name, start_beside, stop_stack
+    from specdec.app.launch import beside_name, start_beside, stop_stack
 
     rtts = [float(r) for r in args.rtt_sweep.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]

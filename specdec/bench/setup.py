@@ -39,7 +39,7 @@ class BenchSetup:
 def bench_setup(args) -> BenchSetup:
     """Reads and checks the command line's common inputs (a bad one exits with a message)."""
     from specdec.core.models import load_tokenizer
-    from specdec.serving.app import build_config
+    from specdec.app import build_config
 
     shapes = {}
     for method in args.trees.split(","):

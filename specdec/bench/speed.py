@@ -137,7 +137,7 @@ class Tally:
 def run_speed(args, setup: BenchSetup) -> int:
     from specdec.core.models import eos_token_ids, load_model
     from specdec.serving.client import CoordinatorClient, generate_request, server_token
-    from specdec.serving.launch import start_beside, stop_stack
+    from specdec.app.launch import start_beside, stop_stack
     from specdec.serving.wire import shape_to_proto
 
     config, app_args, tokenizer, prompts, prompt_ids = setup.config, setup.app_args, setup.tokenizer, setup.prompts, setup.prompt_ids

@@ -43,7 +43,7 @@ def prompt_sets(args, ood: list[str]) -> dict[str, list[dict]]:
 
 def run_steering_ablation(args, config, app_args: dict, tokenizer, shape: TreeShape, budget: int) -> dict:
     from specdec.serving.client import CoordinatorClient, generate_request, server_token
-    from specdec.serving.launch import deploy, start_stack, stop_stack
+    from specdec.app.launch import deploy, start_stack, stop_stack
     from specdec.serving.wire import shape_to_proto
 
     steered = args.steered_drafter or config.drafter.model.source

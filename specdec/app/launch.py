@@ -30,7 +30,7 @@ def start_stack(
             ray.init(address=ray_address)
         else:
             start_local_ray()
-    from specdec.serving.app import build_config
+    from specdec.app import build_config
 
     config = build_config(app_args)
     if ray_address and not config.coordinator.service_tls.enabled:
@@ -59,7 +59,7 @@ def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_
     that way); their HTTP routes start with /<name>."""
     from ray import serve
 
-    from specdec.serving.app import build_app, build_config
+    from specdec.app import build_app, build_config
 
     tls = build_config(app_args).coordinator.tls
     route = "/" if name == APP_NAME else f"/{name}"

@@ -1,4 +1,6 @@
-"""The Ray Serve application: drafter, verifier and coordinator as three deployments.
+"""The composition root: the one package that knows all three services. The Ray Serve
+application (drafter, verifier and coordinator as three deployments) is built here, and
+`specdec.app.launch` starts it on a local Ray.
 
 `serve run deploy/serve.yaml` and `specdec serve` both build it here. Application args are
 either {"config_file": path} or the config mapping itself (or both: the mapping overrides
