@@ -52,6 +52,7 @@ def test_default_config_is_the_builtin_pair():
         ({"coordinator": {"tree": {"width": 0}}}, "coordinator.tree width"),
         ({"coordinator": {"tree": {"depth": 3}}}, "unknown key coordinator.tree.depth"),
         ({"limits": {"max_sessions": 0}}, "limits.max_sessions must be greater than 0"),
+        ({"coordinator": {"request_timeout_s": 0}}, "coordinator.request_timeout_s must be greater than 0"),
         ({"limits": {"max_kv_mib": 100.0}}, "limits.max_session_kv_mib must be <= limits.max_kv_mib"),
         ({"limits": {"max_draft_tokens": 40}, "coordinator": {"tree": {"width": 41}}}, r"coordinator.tree width must be in \[1, 40\]"),
         ({"limits": {"max_draft_tokens": 20}}, r"adaptive budgets must be in \[1, 20\]"),  # the default tree budgets reach 32

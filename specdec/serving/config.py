@@ -253,7 +253,7 @@ class CoordinatorConfig:
     tree: TreeShape = field(default_factory=TreeShape)  # how the drafter spends the budget
     fused_block_tokens: PositiveInt = 8  # tokens per call when the verifier generates alone
     default_max_new_tokens: int = 128  # limits.max_new_tokens caps what a request may ask
-    request_timeout_s: float = 120.0
+    request_timeout_s: PositiveFloat = 120.0  # what one call to a service may take, retries aside
     # Where the services listen when run without Ray (host:port); under Ray Serve the
     # coordinator asks the deployments.
     drafter_address: str | None = None
