@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from specdec.core.batching import Job
+from specdec.core.errors import RequestError
 from specdec.core.ngram import NgramDraft, NgramIndex, NgramProposer
 from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree, TreeShape
-from specdec.serving.rpc import invalid
 
 ANY_TOKEN = 2**31 - 1  # a drafter without a tokenizer takes any id: the verifier checks them
 
@@ -98,7 +98,7 @@ class Drafter(ABC):
 
     def take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
         """The verifier's features of positions start.. (a feature head reads them)."""
-        raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
+        raise RequestError("features were sent, but this drafter does not read verifier features (it is not a feature head)")
 
     @abstractmethod
     def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:

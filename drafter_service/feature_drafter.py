@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from drafter_service.distributions import likeliest, next_tokens
@@ -17,6 +16,7 @@ from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession
 from drafter_service.tree_builders import builder_for
 from specdec.core.batching import Job
 from specdec.core.engine import RotaryTable
+from specdec.core.errors import StaleSession
 from specdec.core.int8 import fused_linear, native_layer, quantize_linears
 from specdec.core.feature_head import (
     feature_fingerprint,
@@ -26,7 +26,6 @@ from specdec.core.kv_cache import KVCache
 from specdec.core.models import ModelSpec, eos_token_ids, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.core.sampling import Sampling
 from specdec.core.tree import ROOT, DraftTree, TreeShape, node_inputs
-from specdec.serving.rpc import ServiceError
 
 
 @dataclass
@@ -87,8 +86,7 @@ class FeatureDrafter(Drafter):
     def take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
         state = session.state
         if start > state.num_features:
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise StaleSession(
                 f"features_start {start} leaves a gap: this session holds the features of positions [0, {state.num_features}); re-open it",
             )
         end = start + len(rows)
@@ -140,8 +138,7 @@ class FeatureDrafter(Drafter):
         if state.committed_entries == n:
             return
         if state.num_features < n - 1:
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise StaleSession(
                 f"a feature head drafts after the verifier's features of every committed position but the last; "
                 f"it has those of [0, {state.num_features}) and needs [0, {n - 1}): ask the verifier for features",
             )

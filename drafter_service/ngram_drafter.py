@@ -6,7 +6,7 @@ from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ngram
 from specdec.core.batching import Job
 from specdec.core.ngram import NgramProposer
 from specdec.core.tree import TreeShape
-from specdec.serving.rpc import invalid
+from specdec.core.errors import RequestError
 
 
 class NgramDrafter(Drafter):
@@ -17,7 +17,7 @@ class NgramDrafter(Drafter):
 
     def check(self, shape: TreeShape) -> None:
         if shape.ngram == "none":
-            raise invalid("tree.ngram none asks for a drafter model's drafts; this drafter has no model (it drafts n-grams only)")
+            raise RequestError("tree.ngram none asks for a drafter model's drafts; this drafter has no model (it drafts n-grams only)")
 
     def _method(self, shape: TreeShape) -> NgramProposer:
         return self.methods[shape.ngram or self.default]

@@ -269,6 +269,7 @@ def test_failures_reach_the_caller_without_internals(caplog):
     """An unexpected exception, or another service refusing a call this one made, is this
     side's fault: INTERNAL with a request id, details only in the log. A downstream status
     about the request itself (unavailable, deadline, load, context length) is passed on."""
+    from specdec.core.errors import RequestError, StaleSession
     from specdec.serving.rpc import reports_errors
 
     class Servicer:
@@ -290,6 +291,9 @@ def test_failures_reach_the_caller_without_internals(caplog):
     assert answer(_DownstreamError(grpc.StatusCode.UNAVAILABLE, "verifier restarting")) == (
         grpc.StatusCode.UNAVAILABLE, "verifier restarting"
     )
+    # The model-side code's own errors (specdec/core/errors.py) get their status here, at the server.
+    assert answer(RequestError("tree.ngram none asks for a model")) == (INVALID, "tree.ngram none asks for a model")
+    assert answer(StaleSession("features_start 9 leaves a gap")) == (grpc.StatusCode.FAILED_PRECONDITION, "features_start 9 leaves a gap")
 
 
 def test_bearer_tokens_guard_the_client_api_but_not_health(tiny_dirs, tmp_path):

@@ -22,6 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.core.errors import RequestError, StaleSession
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 2**20  # limits.max_message_mib's default
@@ -63,6 +65,9 @@ def reports_errors(method: Callable) -> Callable:
     def abort(context, err: Exception):
         if isinstance(err, ServiceError):
             context.abort(err.code, err.message)
+        if isinstance(err, RequestError):  # the domain's own errors (specdec/core/errors.py)
+            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(err, StaleSession) else grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(err))
         downstream = isinstance(err, grpc.RpcError) and isinstance(err, grpc.Call)
         if downstream and err.code() in RELAYED_CODES:  # a downstream service's answer the caller can act on
             context.abort(err.code(), err.details())
