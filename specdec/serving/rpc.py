@@ -7,6 +7,7 @@ import hmac
 import inspect
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -100,9 +101,22 @@ def reports_errors(method: Callable) -> Callable:
     return wrapper
 
 
+# Ports handed out below the kernel's ephemeral range (32768+, where every outgoing connection
+# takes one) and above Ray's worker ports (10002-19999): a port chosen there stays free until
+# the server that asked for it binds, even while Ray starts its processes meanwhile.
+_QUIET_PORTS = range(20000, 32000)
+
+
 def free_port(host: str = "localhost") -> int:
     """A TCP port free on `host` now, for a server the caller starts next (tests, the local cluster)."""
-    with socket.socket() as s:
+    for port in random.sample(_QUIET_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all 64 taken: any port the kernel gives
         s.bind((host, 0))
         return s.getsockname()[1]
 
