@@ -194,6 +194,12 @@ def test_quantized_tree_pass_equals_one_token_steps(tiny_model, weights, kernels
     quantize(model, weights)
     engine = LlamaEngine(model)
     assert (engine.native_layers is not None) == (kernels == "native")
+    assert_tree_pass_equals_one_token_steps(engine)
+
+
+def assert_tree_pass_equals_one_token_steps(engine: LlamaEngine) -> None:
+    """Each node of a tree verified in one masked pass after a cached context gets the very
+    logits of feeding its path one token at a time."""
     context = [1, 5, 7, 3, 9, 11, 12, 4]
     tree = DraftTree([4, 6, 8, 10, 11, 13, 5], [-1, -1, 0, 0, 1, 3, 5])
     with torch.inference_mode():

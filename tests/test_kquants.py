@@ -9,11 +9,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from specdec.core.engine import LlamaEngine
+from specdec.core.engine import ForwardCall, LlamaEngine
 from specdec.core.hub import load_model_weights_only
 from specdec.core.int8 import Int8Linear
 from specdec.core.kquants import KQuantLinear, _llama_rows, decode, load_gguf_linears, pack, unpack
-from specdec.core.tree import DraftTree, verification_inputs
+from tests.test_engine import assert_tree_pass_equals_one_token_steps
 from tests.tiny_models import build_model_dir
 
 # weights a block holds, its bytes, where its float16 factors lie
@@ -95,27 +95,14 @@ def kquant_model(path, seed: int = 5) -> torch.nn.Module:
 def test_kquant_tree_pass_equals_one_token_steps_and_batches_equal_alone(kquant_model_dir):
     engine = LlamaEngine(kquant_model(kquant_model_dir))
     assert engine.native_layers is not None
-    context = [1, 5, 7, 3, 9, 11, 12, 4]
-    tree = DraftTree([4, 6, 8, 10, 11, 13, 5], [-1, -1, 0, 0, 1, 3, 5])
+    assert_tree_pass_equals_one_token_steps(engine)
     with torch.inference_mode():
-        cache = engine.new_cache()
-        engine(cache, context[:5])
-        positions, mask = verification_inputs(tree, 5, 3)
-        logits, _ = engine(cache, context[5:] + tree.token_ids, len(tree) + 1, position_ids=positions, attention_mask=mask)
-        for node in range(len(tree)):
-            step_cache = engine.new_cache()
-            engine(step_cache, context[:5])
-            for token in context[5:] + [tree.token_ids[n] for n in tree.path_to(node)]:
-                step_logits, _ = engine(step_cache, [token])
-            assert torch.equal(step_logits[-1], logits[node + 1]), f"node {node}"
-        together = engine.forward_many([c for c in _two_calls(engine)])
+        together = engine.forward_many(_two_calls(engine))
         alone = [engine.forward_many([c])[0] for c in _two_calls(engine)]
     assert all(torch.equal(a[0], b[0]) for a, b in zip(together, alone))
 
 
 def _two_calls(engine):
-    from specdec.core.engine import ForwardCall
-
     return [ForwardCall(engine.new_cache(), [1, 5, 7, 3, 9], 2), ForwardCall(engine.new_cache(), [6, 1, 4], 1, prefill=True)]
 
 
@@ -173,3 +160,10 @@ def test_a_gguf_files_blocks_replace_the_models_linears(kquant_model_dir, tmp_pa
     write_gguf(tmp_path / "q8.gguf", q8, {"ffn_up": "Q8_0"}, seed=8)
     with pytest.raises(ValueError, match="stores linears as Q8_0; dtype gguf serves Q4_K, Q6_K"):
         load_gguf_linears(q8, tmp_path / "q8.gguf")
+
+
+def test_gguf_is_refused_for_a_model_that_is_not_a_gguf_file(kquant_model_dir):
+    from specdec.core.models import ModelSpec, UnsupportedModel, load_model
+
+    with pytest.raises(UnsupportedModel, match="dtype gguf serves a GGUF file's own K-quant blocks; .* is not a GGUF file"):
+        load_model(ModelSpec(str(kquant_model_dir), dtype="gguf"))

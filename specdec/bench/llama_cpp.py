@@ -7,7 +7,7 @@ import importlib.util
 import time
 from pathlib import Path
 
-from specdec.core.hub import resolve_source
+from specdec.core.hub import gguf_file_of
 
 PROMPT_LOOKUP_TOKENS = 10  # llama-cpp-python's documented example value
 
@@ -15,10 +15,9 @@ PROMPT_LOOKUP_TOKENS = 10  # llama-cpp-python's documented example value
 def verifier_gguf(source: str) -> Path | None:
     """The GGUF file the verifier's weights come from, or None (a safetensors model)."""
     try:
-        directory, gguf_file = resolve_source(source)
+        return gguf_file_of(source)
     except FileNotFoundError:
         return None
-    return Path(directory) / gguf_file if gguf_file else None
 
 
 def installed() -> bool:

@@ -50,6 +50,13 @@ def resolve_source(source: str) -> tuple[str, str | None]:
     return source, None
 
 
+def gguf_file_of(source: str) -> Path | None:
+    """The GGUF file a model source names, or None (a safetensors model); FileNotFoundError for a
+    .gguf path that does not exist."""
+    directory, gguf_file = resolve_source(resolve_alias(source))
+    return Path(directory) / gguf_file if gguf_file else None
+
+
 def _converted_path(directory: str, gguf_file: str) -> Path:
     stat = (Path(directory) / gguf_file).stat()
     key = hashlib.sha256(f"{Path(directory).resolve()}/{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]

@@ -229,7 +229,8 @@ class KQuantLinear(torch.nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        kinds = sorted({k for k in _FORMAT_CODES if _FORMAT_CODES[k] in set(self.table[:, 1].tolist())})
+        codes = set(self.table[:, 1].tolist())
+        kinds = [kind for kind, code in _FORMAT_CODES.items() if code in codes]
         return f"in_features={self.in_features}, out_features={self.out_features}, formats={'+'.join(kinds)}, bias={self.bias is not None}"
 
 

@@ -21,7 +21,7 @@ from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.int8 import quantize_linears
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
-from specdec.core.hub import gguf_layer_formats, load_model_weights_only, load_tokenizer_of, resolve_alias, resolve_source
+from specdec.core.hub import gguf_file_of, gguf_layer_formats, load_model_weights_only, load_tokenizer_of, resolve_alias
 from specdec.core.kquants import load_gguf_linears
 from specdec.core.prompts import calibration_ids
 from specdec.core.tree import DraftTree, verification_inputs
@@ -73,10 +73,10 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
 
 def _gguf_path(spec: ModelSpec) -> Path:
     """The GGUF file whose own blocks dtype `gguf` serves."""
-    directory, gguf_file = resolve_source(resolve_alias(spec.source))
-    if not gguf_file:
+    gguf = gguf_file_of(spec.source)
+    if gguf is None:
         raise UnsupportedModel(f"dtype gguf serves a GGUF file's own K-quant blocks; {spec.source} is not a GGUF file")
-    return Path(directory) / gguf_file
+    return gguf
 
 
 def _check_block_format(spec: ModelSpec) -> None:
