@@ -1,12 +1,14 @@
 """The engine on a GPU, measured where Ray is not installed (a lent GPU machine): GEMM row
 exactness by row count, k-token passes vs one-token steps for each row-bucket set, and the cost
-curve (the same `run_cost_curve` as `specdec bench --cost-curve`) of the bf16 engine with CUDA
-graphs, eager, and float32 transformers.
+curve (the same `time_engines` as `specdec bench --cost-curve`) of the bf16 engine with CUDA
+graphs, eager, and float32 transformers, and of drafters' one-token steps.
 
-    python scripts/gpu_engine.py --out OUT [--random CONFIG_DIR] [--buckets "16;1,16,64"] [--repeats 12]
+    python scripts/gpu_engine.py --out OUT [--random CONFIG_DIR] [--drafters DIR,DIR] [--buckets "16;1,16,64"] [--repeats 12]
 
---random builds the model from a config.json with random weights (shapes decide kernels and
-times; no weights needed); without it the default verifier is loaded.
+--random builds the verifier from a config.json with random weights (shapes decide kernels and
+times; no weights needed; scripts/gpu_shapes holds the coder pair's and SmolLM2-135M's); without
+it the default verifier is loaded. --drafters adds random-weight drafters of those shapes to the
+cost curve (their one-token step, graphed and eager).
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import traceback
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from specdec.bench import cost
-from specdec.core.cuda_graphs import ROW_BUCKETS, GraphRunner
+from specdec.core.cuda_graphs import GraphRunner, row_buckets
 from specdec.core.engine import ForwardCall, LlamaEngine, TransformersEngine
 from specdec.core.tree import DraftTree, verification_inputs
 
@@ -31,11 +34,12 @@ TOKENS = [1, 2, 3, 5, 9, 17, 33]
 
 def load(random_config: str | None, dtype: torch.dtype, device: str = "cuda"):
     if random_config:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
         config = AutoConfig.from_pretrained(random_config)
-        return AutoModelForCausalLM.from_config(config).to(dtype).to(device).eval(), None
+        with torch.device(device):  # initialised where it runs: a 1.5B initialised on the CPU takes a minute
+            return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), None
     from specdec.core.models import ModelSpec, load_model, load_tokenizer
 
     name = "smollm2-135m-instruct"
@@ -166,6 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--random", help="a directory with a config.json: random weights of that shape")
+    parser.add_argument("--drafters", default="", help="comma-separated config directories: random-weight drafters timed too")
     parser.add_argument("--buckets", default="16;1,16,64;16,64", help="row-bucket sets to check, ';'-separated")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
@@ -175,11 +180,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     skip = set(args.skip.split(","))
     report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__,
-                    "default_buckets": list(ROW_BUCKETS), "weights": "random" if args.random else "smollm2-135m-instruct"}
+                    "cost_curve_buckets": list(row_buckets()), "weights": "random" if args.random else "smollm2-135m-instruct"}
     begin = time.perf_counter()
     model, tokenizer = load(args.random, torch.bfloat16, args.device)
     vocab = model.config.vocab_size
-    context = context_ids(tokenizer, vocab, 300)
+    drafters = [d for d in args.drafters.split(",") if d]
+    # random ids every model can read: a drafter's vocabulary may be smaller than the verifier's
+    context = context_ids(tokenizer, min([vocab] + [AutoConfig.from_pretrained(d).vocab_size for d in drafters]), 300)
     report["load_s"] = time.perf_counter() - begin
     with torch.inference_mode():  # the chain fed: the model's own greedy continuation, as accepted drafts are
         eager = LlamaEngine(model, cuda_graphs=False)
@@ -206,13 +213,17 @@ def main() -> None:
     if "cost" not in skip:
         def curve():
             engines = {
-                "bf16 engine, CUDA graphs": ("verifier", graphed(model, ROW_BUCKETS)),
+                "bf16 engine, CUDA graphs": ("verifier", graphed(model, row_buckets())),
                 "bf16 engine, eager": ("verifier", LlamaEngine(model, cuda_graphs=False)),
             }
             fp32 = copy.deepcopy(model).float() if args.random else load(None, torch.float32, args.device)[0]
             engines["float32 transformers verifier"] = ("verifier", TransformersEngine(fp32))
-            cost._engines = lambda config: engines
-            rows = cost.run_cost_curve(None, context[:200], TOKENS, repeats=args.repeats)
+            for shape in drafters:
+                drafter = load(shape, torch.bfloat16, args.device)[0]
+                name = Path(shape).name
+                engines[f"{name} drafter, CUDA graphs"] = ("drafter", graphed(drafter, row_buckets()))
+                engines[f"{name} drafter, eager"] = ("drafter", LlamaEngine(drafter, cuda_graphs=False))
+            rows = cost.time_engines(engines, context[:200], TOKENS, repeats=args.repeats)
             (out / "cost_curve.json").write_text(json.dumps(rows, indent=1))
             cost.plot_cost_curve(rows, out / "cost_curve.png")
             print(cost.format_cost_curve(rows), flush=True)

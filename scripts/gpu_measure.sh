@@ -16,7 +16,7 @@ mkdir -p "$package" && touch "$package/__init__.py"
 gguf="$package/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -s "$gguf" ] || cat "$PARTS"/p* > "$gguf"
 echo "gguf sha256 $(sha256sum "$gguf" | cut -c1-16) (b179c9523d0e6a0f expected)"
-export PYTHONPATH=/tmp/site:$(dirname "$package"):$PWD PYTHONUNBUFFERED=1 SPECDEC_NATIVE_KERNELS=0 SPECDEC_CUDA_GRAPHS=1 SPECDEC_CACHE=${SPECDEC_CACHE:-/root/specdec-cache}
+export PYTHONPATH=/tmp/site:$(dirname "$package"):$PWD PYTHONUNBUFFERED=1 SPECDEC_NATIVE_KERNELS=0 SPECDEC_CACHE=${SPECDEC_CACHE:-/root/specdec-cache}
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tee "$OUT/pytest.log" | tail -30
 python3 scripts/gpu_engine.py --out "$OUT" "$@" 2>&1 | tee "$OUT/engine.log" | grep -v 'cost curve:' | cut -c1-1500
 python3 scripts/gpu_served_bench.py --out /tmp/served --prompts "${PROMPTS:-prompts.jsonl}" 2>&1 | tail -8

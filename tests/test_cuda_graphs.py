@@ -45,9 +45,10 @@ def test_row_buckets_come_from_the_environment(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def graphs_opted_in(monkeypatch):
-    """The graphs are opt-in until they have run on a GPU; these tests opt in."""
-    monkeypatch.setenv("SPECDEC_CUDA_GRAPHS", "1")
+def graphs_on(monkeypatch):
+    """Whatever the environment running the tests says."""
+    monkeypatch.delenv("SPECDEC_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("SPECDEC_CUDA_ROW_BUCKETS", raising=False)
 
 
 def test_no_graphs_on_a_cpu(tmp_path):
@@ -192,9 +193,8 @@ def test_cuda_graphs_compute_what_the_eager_engine_computes():
     assert all(torch.allclose(g.float(), e.float(), atol=0.1, rtol=0.05) for g, e in zip(got_states, expected_states))
 
 
-def test_graphs_are_opt_in_through_the_environment(monkeypatch):
-    monkeypatch.delenv("SPECDEC_CUDA_GRAPHS", raising=False)
-    assert not cuda_graphs_enabled()
+def test_graphs_are_on_unless_the_environment_turns_them_off(monkeypatch):
+    assert cuda_graphs_enabled()
     monkeypatch.setenv("SPECDEC_CUDA_GRAPHS", "0")
     assert not cuda_graphs_enabled()
     monkeypatch.setenv("SPECDEC_CUDA_GRAPHS", "1")

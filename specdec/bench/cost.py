@@ -39,7 +39,11 @@ def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]
 
 
 def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: list[str] | None = None, repeats: int = 24) -> list[dict]:
-    engines = _engines(config, formats)
+    return time_engines(_engines(config, formats), context_ids, tokens, repeats)
+
+
+def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int], tokens: list[int], repeats: int = 24) -> list[dict]:
+    """Each engine's pass of k new tokens after `context_ids` (a drafter's: one token), interleaved."""
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
         caches = {}
@@ -91,17 +95,29 @@ def plot_cost_curve(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (absolute, relative) = plt.subplots(1, 2, figsize=(11, 4))
+    drafters = [r for r in rows if r["model"] == "drafter"]
+    fig, axes = plt.subplots(1, 3 if drafters else 2, figsize=(16 if drafters else 11, 4))
+    absolute, relative = axes[:2]
+    colors = {}
     for name in dict.fromkeys(r["engine"] for r in rows if r["model"] == "verifier"):
         mine = [r for r in rows if r["engine"] == name]
         ks = [r["tokens"] for r in mine]
-        absolute.plot(ks, [r["verify_ms"] for r in mine], marker="o", label=name)
+        (line,) = absolute.plot(ks, [r["verify_ms"] for r in mine], marker="o", label=name)
+        colors[name] = line.get_color()
         paired = [r["paired_ratio_to_one_token"] for r in mine]
         spread = [[p - r["paired_interval"][0] for p, r in zip(paired, mine)], [r["paired_interval"][1] - p for p, r in zip(paired, mine)]]
         relative.errorbar(ks, paired, yerr=spread, marker="o", capsize=3, label=name)
-    for r in rows:
-        if r["model"] == "drafter":
-            absolute.axhline(r["draft_step_ms"], linestyle=":", color="grey", label=f"{r['engine']}: one step")
+    if drafters:  # one bar per drafter engine, beside the verifier's one-token pass for scale
+        steps = axes[2]
+        names = [r["engine"] for r in drafters]
+        steps.barh(names, [r["draft_step_ms"] for r in drafters], color="tab:grey")
+        for name, color in colors.items():
+            one = next(r["verify_ms"] for r in rows if r["engine"] == name and r["tokens"] == 1)
+            steps.axvline(one, linestyle=":", color=color, label=f"{name}: T(1)")
+        steps.invert_yaxis()
+        steps.tick_params(axis="y", labelsize=8)
+        steps.set(xlabel="one drafter step (ms, median)", title="drafter steps")
+        steps.legend(fontsize=7)
     absolute.set(
         xscale="log", xlabel="new tokens in the pass (k)", ylabel="forward time (ms, median)",
         title=f"verifier forward after {rows[0]['context']} tokens",

@@ -11,10 +11,10 @@ positions, the unused tail masked). Each row of a linear then comes from the sam
 the other rows hold, so a row's result depends on its own token, position and mask alone.
 Attention runs in float64 over those buffers: bf16 products are exact there and what rounding
 is left (~1e-16) sits far below the bf16 the result is rounded to, so a row's attention does
-not depend on the capacity either. That is the design; on a GPU it is still to be measured:
-tests/test_cuda_graphs.py compares tree passes with one-token steps bit for bit (its CUDA cases
-skip without a GPU; the same runner, uncaptured, passes them on a CPU), and scripts/gpu_engine.py
-measures exactness and the cost curve (docs/engine.md).
+not depend on the capacity either. tests/test_cuda_graphs.py compares tree passes with one-token
+steps bit for bit, captured on a GPU (all pass on an H100; its CUDA cases skip without a GPU, and
+the same runner, uncaptured, passes them on a CPU); scripts/gpu_engine.py measures exactness and
+the cost curve (docs/engine.md).
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def capacity_for(end: int) -> int:
 
 
 def cuda_graphs_enabled() -> bool:
-    """Opt-in (SPECDEC_CUDA_GRAPHS=1) until tests/test_cuda_graphs.py has passed on a GPU."""
-    return os.environ.get("SPECDEC_CUDA_GRAPHS", "0") == "1"
+    """On unless SPECDEC_CUDA_GRAPHS=0 (the eager path, to compare with)."""
+    return os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0"
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

