@@ -186,9 +186,10 @@ def test_a_coordinator_running_the_verifier_decodes_exactly(tiny_dirs, head_dir,
             assert list(reply.token_ids) == hf_greedy(tiny_verifier, prompt, 24)
             stats = reply.stats
             assert stats.verifier_replica.startswith("in-process:") and stats.speculative_rounds > 0 and stats.feature_bytes > 0
-            # The verify call serializes nothing; the draft call still crosses gRPC.
+            # The verify call serializes nothing; the draft call still crosses gRPC. (Bytes, not hop
+            # times: on 2 busy cores an in-process call's hand-off took as long as a loopback hop.)
             anatomy = stats.speculative_anatomy
-            assert anatomy.verify_hop_ms < anatomy.draft_hop_ms, anatomy
+            assert anatomy.verify_request_bytes == anatomy.verify_response_bytes == 0 < anatomy.draft_request_bytes, anatomy
         client.close()
 
 
