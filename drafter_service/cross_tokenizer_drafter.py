@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_service.drafting import Drafter, DrafterSession, WrappedDrafter
+from drafter_service.drafting import Drafter, DrafterSession, ScoredTree, WrappedDrafter
 from drafter_service.tokenizer_bridge import FollowedText, TokenizerBridge, common_prefix
 from specdec.core.batching import Job
 from specdec.core.models import tokenizer_fingerprint
@@ -71,7 +71,7 @@ class CrossTokenizerDrafter(WrappedDrafter):
         # A draft's last verifier token is dropped (it may be cut mid-word): one more is drafted.
         own_budget = min(self.cap, max(1, math.ceil((budget + 1) / self.verifier_per_own)))
         # Depth in own tokens says little of depth in the verifier's: the node budget bounds both.
-        tree, _ = yield from self.inner.draft(inner, own, dataclasses.replace(shape, max_depth=0), own_budget)
+        tree = (yield from self.inner.draft(inner, own, dataclasses.replace(shape, max_depth=0), own_budget)).tree
         start = time.perf_counter()
         mapped, unbounded = self.bridge.to_verifier(state.text, tree, budget)
         session.mapping_ms += mapping_ms + (time.perf_counter() - start) * 1e3
@@ -80,7 +80,7 @@ class CrossTokenizerDrafter(WrappedDrafter):
         session.reencode_rollbacks += state.text.rollbacks - rollbacks
         if tree:
             self.verifier_per_own = 0.9 * self.verifier_per_own + 0.1 * max(unbounded, 1) / len(tree)
-        return mapped, []
+        return ScoredTree(mapped, [])
 
     def _follow(self, state: CrossState, context: list[int]) -> list[int]:
         """The inner session brought to `context` in own tokens (its n-gram index too)."""

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import torch
 
-from drafter_service.drafting import Draft, Drafter, DrafterSession
+from drafter_service.drafting import Draft, Drafter, DrafterSession, ScoredTree
 from specdec.core.batching import run_alone
 from specdec.core.ngram import NgramIndex, NgramProposer
 from specdec.core.sampling import Sampling
@@ -120,13 +120,14 @@ class DrafterEngine:
             context = session.tokens + list(assumed)
             steering_ms = self.drafter.begin_round(session, steering)
             try:
-                tree, confidence = yield from self._draft_after(session, context, shape, num_tokens, pick_excludes)
+                proposal = yield from self._draft_after(session, context, shape, num_tokens, pick_excludes)
             finally:
                 self.drafter.end_round(session)
             forwards, own_tokens, rollbacks, mapping_ms = (now - then for now, then in zip(_counters(session), before))
             draft = Draft(
-                tree, context[len(session.tokens) :], (time.perf_counter() - start) * 1e3, steering_ms, forwards, confidence,
-                own_tokens, rollbacks, mapping_ms,
+                tree=proposal.tree, assumed=context[len(session.tokens) :], compute_ms=(time.perf_counter() - start) * 1e3,
+                steering_ms=steering_ms, forward_passes=forwards, confidence=proposal.confidence, own_tokens_drafted=own_tokens,
+                reencode_rollbacks=rollbacks, mapping_ms=mapping_ms,
             )
             session.last_round, session.last_draft = round_number, draft
             return draft
@@ -146,7 +147,7 @@ class DrafterEngine:
         if len(context) > len(session.tokens) or pick_excludes:
             picked = yield from self.drafter.pick(session, context, shape, pick_excludes)
             if picked is None:
-                return DraftTree(), []
+                return ScoredTree(DraftTree(), [])
             context.append(picked)
         return (yield from self.drafter.draft(session, context, shape, budget))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,7 +22,14 @@ from specdec.core.tree import DraftTree, TreeShape
 ANY_TOKEN = 2**31 - 1  # a drafter without a tokenizer takes any id: the verifier checks them
 
 
-@dataclass
+class ScoredTree(NamedTuple):
+    """What a drafter's `draft` job returns."""
+
+    tree: DraftTree
+    confidence: list[float]  # per node, the chance the verifier accepts its path; [] = no estimate
+
+
+@dataclass(kw_only=True)  # nine fields of one answer: named, so none can swap places
 class Draft:
     """One Draft call's answer."""
 
@@ -107,9 +114,8 @@ class Drafter(ABC):
 
     @abstractmethod
     def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
-        """The job's value: (a tree of at most `budget` nodes after `context`, each node's chance
-        that the verifier accepts its path, [] = no estimate). `context` is the committed tokens
-        and, in overlapped drafting, the assumed and picked ones after them."""
+        """The job's value: a ScoredTree, a tree of at most `budget` nodes after `context`. `context`
+        is the committed tokens and, in overlapped drafting, the assumed and picked ones after them."""
 
     def forward_many(self, forwards: list) -> list:
         """The forwards several sessions' jobs yielded, run together."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_service.distributions import likeliest, next_tokens
-from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession
+from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree
 from drafter_service.tree_builders import builder_for
 from specdec.core.batching import Job
 from specdec.core.engine import RotaryTable
@@ -200,4 +200,4 @@ class FeatureDrafter(Drafter):
             return next_tokens(logits[[rows[n] for n in nodes]], session.sampling, self.draft_vocab, self.proposal_top_k)
 
         generator = None if session.sampling.greedy else session.generator
-        return (yield from builder_for(shape).build(expand, budget, generator)), []
+        return ScoredTree((yield from builder_for(shape).build(expand, budget, generator)), [])

@@ -2,7 +2,7 @@
 the configured default) join any drafter's tree under the same node budget."""
 from __future__ import annotations
 
-from drafter_service.drafting import Drafter, DrafterSession, WrappedDrafter, ngram_draft
+from drafter_service.drafting import Drafter, DrafterSession, ScoredTree, WrappedDrafter, ngram_draft
 from specdec.core.batching import Job
 from specdec.core.ngram import NgramProposer, merge_trees
 from specdec.core.tree import TreeShape
@@ -27,6 +27,6 @@ class HybridDrafter(WrappedDrafter):
         if not candidates:
             return (yield from self.inner.draft(session, context, shape, budget))
         if not greedy:
-            return candidates.tree, candidates.confidence
-        tree, _ = yield from self.inner.draft(session, context, shape, budget - len(candidates))
-        return merge_trees(candidates.tree, tree, budget), []
+            return ScoredTree(candidates.tree, candidates.confidence)
+        tree = (yield from self.inner.draft(session, context, shape, budget - len(candidates))).tree
+        return ScoredTree(merge_trees(candidates.tree, tree, budget), [])

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from drafter_service.distributions import likeliest, next_tokens
-from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession
+from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree
 from drafter_service.tree_builders import NextToken, builder_for
 from specdec.core.batching import Job
 from specdec.core.engine import ForwardCall, LlamaEngine, engine_for
@@ -170,7 +170,7 @@ class ModelDrafter(Drafter):
         generator = None if session.sampling.greedy else session.generator
         tree = yield from builder_for(shape, rescore).build(expand, budget, generator)
         state.fed_expanded = set(fed_node.values()) - {ROOT}
-        return tree, []
+        return ScoredTree(tree, [])
 
     def _forward(self, session: DrafterSession, input_ids: list[int], num_logits: int = 1, **masking) -> Job:
         session.forward_passes += 1

@@ -2,7 +2,7 @@
 reads token ids only, so it pairs with any verifier's tokenizer."""
 from __future__ import annotations
 
-from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ngram_draft
+from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree, ngram_draft
 from specdec.core.batching import Job
 from specdec.core.ngram import NgramProposer
 from specdec.core.tree import TreeShape
@@ -30,4 +30,4 @@ class NgramDrafter(Drafter):
     def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
         yield from ()
         draft = ngram_draft(session, self._method(shape), context, budget, shape.max_depth)
-        return draft.tree, draft.confidence
+        return ScoredTree(draft.tree, draft.confidence)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession
+from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree
 from drafter_service.tree_builders import NextToken, builder_for
 from specdec.core.batching import Job
 from specdec.core.oracle import ReferenceTable
@@ -47,7 +47,7 @@ class OracleDrafter(Drafter):
         yield from ()
         reference = session.state
         if self._next(session, context) is None:
-            return DraftTree(), []
+            return ScoredTree(DraftTree(), [])
         left = len(reference) - len(context)
         # No node past the reference's end: a builder would find no token to expand it with.
         shape = replace(shape, max_depth=min(shape.max_depth, left)) if shape.max_depth else shape
@@ -58,7 +58,7 @@ class OracleDrafter(Drafter):
             return [_certain(reference[start + (0 if n == ROOT else len(tree.path_to(n)))]) for n in nodes]
 
         generator = None if session.sampling.greedy else session.generator
-        return (yield from builder_for(shape).build(expand, min(budget, left), generator)), []
+        return ScoredTree((yield from builder_for(shape).build(expand, min(budget, left), generator)), [])
 
 
 def _certain(token: int) -> NextToken:

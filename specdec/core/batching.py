@@ -1,5 +1,6 @@
 """Continuous batching across sessions. A service's unit of work is a job: a generator that
-yields the forward passes it needs (ForwardCall) and receives each one's result. Jobs advance
+yields the forward passes it needs (the engine's ForwardCall, or a drafter's own forward type)
+and receives each one's result. Jobs advance
 in lockstep, one `forward_many` per step over the calls they wait on, and a job that arrives
 joins at the next step: one stream alone never waits for a batch to fill, and many streams
 share each pass over the weights."""
@@ -9,11 +10,9 @@ import threading
 import time
 from collections.abc import Callable, Generator, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-
-from specdec.core.engine import ForwardCall
 
 
 class ComputeThread:
@@ -35,8 +34,9 @@ class ComputeThread:
         self._executor.submit(fn, *args)
 
 
-Job = Generator[ForwardCall, Any, Any]
-ForwardMany = Callable[[list[ForwardCall]], list[Any]]
+Forward = TypeVar("Forward")  # what a job yields: whatever its service's forward_many runs together
+Job = Generator[Forward, Any, Any]
+ForwardMany = Callable[[list[Forward]], list[Any]]
 Done = Callable[[Any, BaseException | None], None]  # (the job's value, None) or (None, its error)
 
 
@@ -45,7 +45,7 @@ class Lockstep:
 
     def __init__(self, forward_many: ForwardMany):
         self.forward_many = forward_many
-        self.waiting: list[tuple[Job, ForwardCall, Done]] = []
+        self.waiting: list[tuple[Job, Any, Done]] = []
 
     def add(self, job: Job, done: Done) -> None:
         self._advance(job, done, None, None)
@@ -159,7 +159,7 @@ class Batcher:
 
         return done
 
-    def _counted(self, calls: list[ForwardCall]) -> list[Any]:
+    def _counted(self, calls: list) -> list[Any]:
         self.passes += 1
         self.calls += len(calls)
         return self.forward_many(calls)
