@@ -20,7 +20,7 @@ from specdec.serving.rpc import ServiceError, invalid
 from specdec.serving.sessions import SessionStore, check_context, check_kv_room
 
 
-class DrafterEngine:
+class DraftingSessions:
     """Serves one drafter. `ngram_methods`: the n-gram proposers its drafts may use (hybrid,
     staged, model-free), shared so that they learn from every session's output; each session
     indexes its context for n-grams of up to `max_ngram` tokens."""

@@ -5,8 +5,8 @@ import time
 
 import grpc
 
-from drafter_service.drafter import DrafterEngine
-from drafter_service.engines import drafter_for
+from drafter_service.drafter import DraftingSessions
+from drafter_service.selection import drafter_for
 from specdec.core.batching import Batcher
 from specdec.core.batching import ComputeThread
 from specdec.core.models import set_torch_threads
@@ -30,7 +30,7 @@ from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine, compute: ComputeThread):
+    def __init__(self, engine: DraftingSessions, compute: ComputeThread):
         self.engine = engine
         self.batcher = Batcher(compute, engine.forward_many)
 

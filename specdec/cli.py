@@ -228,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
-    from specdec.train import distill, feature_head
+    from specdec.train import distill, distill_head
     from specdec.train.recipe_args import add_recipe_arguments
 
     for name, module, recipe, run, description in (
         ("distill", distill, distill.DistillConfig, distill.run_distill, "distil a drafter toward the verifier (DistillSpec)"),
         (
-            "distill-feature-head", feature_head, feature_head.FeatureHeadConfig, feature_head.run_feature_head,
+            "distill-feature-head", distill_head, distill_head.FeatureHeadConfig, distill_head.run_feature_head,
             "train the drafter that reads the verifier's features (EAGLE-3 style)",
         ),
     ):

@@ -7,19 +7,19 @@ import threading
 import pytest
 import torch
 
-from drafter_service.engines import drafter_for
+from drafter_service.selection import drafter_for
 from specdec.core.batching import Batcher, ComputeThread, Lockstep, run_alone
 from specdec.core.models import ModelSpec
 from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree, TreeShape
 from tests.test_feature_head import head_dir  # noqa: F401 - the fixture
-from verifier_service.verifier import VerifierEngine
+from verifier_service.verifier import Verifier
 
 PROMPTS = [[1, 5, 7, 3, 9], [2, 2, 8], [6, 1, 4, 4, 9, 12, 3], [11, 3]]
 TREE = DraftTree([4, 6, 8, 10], [-1, -1, 0, 2])
 
 
-def rounds(engine: VerifierEngine, tag: str, sampling: Sampling):
+def rounds(engine: Verifier, tag: str, sampling: Sampling):
     """Each prompt's session: a fused round (prefill, 3 tokens with features), then a tree."""
     sessions = [engine.open_session(f"{tag}{i}", prompt, sampling) for i, prompt in enumerate(PROMPTS)]
     return sessions, [
@@ -30,7 +30,7 @@ def rounds(engine: VerifierEngine, tag: str, sampling: Sampling):
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, 0.9, 0, 7)], ids=["greedy", "sampled"])
 def test_sessions_batched_together_get_what_each_gets_alone(tiny_dirs, sampling):
-    engine = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8"))
+    engine = Verifier(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8"))
     assert engine.engine.native_layers is not None
     alone_sessions, steps = rounds(engine, "alone", sampling)
     alone = [[engine.verify(s, 1, DraftTree([], []), 3), engine.verify(s, 2, TREE, 0)] for s in alone_sessions]
@@ -64,7 +64,7 @@ def test_sessions_batched_together_get_what_each_gets_alone(tiny_dirs, sampling)
 
 def test_a_failing_job_fails_alone(tiny_dirs):
     """A bad round answers its own caller with its error; the sessions batched with it go on."""
-    engine = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8"))
+    engine = Verifier(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8"))
     compute = ComputeThread()
     batcher = Batcher(compute, engine.forward_many)
     good = engine.open_session("good", PROMPTS[0], Sampling())

@@ -28,3 +28,16 @@ def test_llama_cpp_decodes_the_gguf_greedily_and_stops_where_asked(prompt_lookup
     again, _ = decoder.generate(ids, 12, 0.0, seed=1)
     assert len(first) == 12 and seconds > 0 and first == again  # greedy: the seed changes nothing
     assert tokenizer.decode(first).strip()  # text in the verifier's own vocabulary
+
+
+def test_llama_cpp_modes_parse_and_name_their_rows():
+    from specdec.bench.llama_cpp import LlamaCppMode
+
+    assert LlamaCppMode.parse("none").name == "llama_cpp_cli"
+    mode = LlamaCppMode.parse("draft-simple:8:0.75")
+    assert (mode.spec_type, mode.draft_max, mode.p_min, mode.needs_draft_model) == ("draft-simple", 8, 0.75, True)
+    assert mode.name == "llama_cpp_draft_simple_8_p0.75"
+    assert LlamaCppMode.parse("ngram-mod").name == "llama_cpp_ngram_mod" and not LlamaCppMode.parse("ngram-mod").needs_draft_model
+    for bad in ("eagle", "draft-simple:8:0.75:1", "none:x"):
+        with pytest.raises(ValueError):
+            LlamaCppMode.parse(bad)

@@ -475,9 +475,9 @@ def test_a_reopened_int8_session_decodes_on_exactly_as_before(tiny_dirs):
     from specdec.core.models import ModelSpec
     from specdec.core.sampling import Sampling
     from specdec.core.tree import DraftTree
-    from verifier_service.verifier import VerifierEngine
+    from verifier_service.verifier import Verifier
 
-    verifier = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8"))
+    verifier = Verifier(ModelSpec(str(tiny_dirs["verifier"]), dtype="int8"))
     prompt, greedy = [1, 5, 9, 4, 7, 3, 8, 2, 6], Sampling(0.0, 1.0, 0, 0)
     session = verifier.open_session("a", prompt, greedy)
     tokens = [t for round_number in range(1, 5) for t in verifier.verify(session, round_number, DraftTree(), 5).token_ids]
@@ -495,9 +495,9 @@ def test_sampling_goes_on_exactly_after_a_reopen_with_fresh_random_numbers(tiny_
     from specdec.core.models import ModelSpec
     from specdec.core.sampling import Sampling, position_generator
     from specdec.core.tree import DraftTree
-    from verifier_service.verifier import VerifierEngine
+    from verifier_service.verifier import Verifier
 
-    verifier = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"])))
+    verifier = Verifier(ModelSpec(str(tiny_dirs["verifier"])))
     prompt, hot = [1, 5, 9], Sampling(1.5, 1.0, 0, 11)
     one_go = verifier.verify(verifier.open_session("a", prompt, hot), 1, DraftTree(), 12).token_ids
     piecewise = []

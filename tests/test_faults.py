@@ -161,9 +161,9 @@ def test_a_forward_that_fails_part_way_drops_its_session(tiny_dirs, monkeypatch)
     from specdec.serving.wire import VERIFIER_SERVICE
     from specdec.v1 import common_pb2, verifier_pb2
     from tests.conftest import local_stack
-    from verifier_service.verifier import VerifierEngine
+    from verifier_service.verifier import Verifier
 
-    real, failing = VerifierEngine._forward, {"now": False}
+    real, failing = Verifier._forward, {"now": False}
 
     def flaky(self, session, input_ids, *args, **kwargs):
         if failing["now"]:
@@ -172,7 +172,7 @@ def test_a_forward_that_fails_part_way_drops_its_session(tiny_dirs, monkeypatch)
             raise RuntimeError("simulated failure inside a forward")
         return real(self, session, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(VerifierEngine, "_forward", flaky)
+    monkeypatch.setattr(Verifier, "_forward", flaky)
     with local_stack(tiny_config(tiny_dirs)) as stack:
         verifier = MeasuredClient(stack["verifier"], VERIFIER_SERVICE)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coordinator.clients import PairMismatch
-from drafter_service.engines import drafter_for
+from drafter_service.selection import drafter_for
 from specdec.core.feature_head import FeatureHead, load_feature_fuse, save_feature_head
 from specdec.core.models import ModelSpec, hf_greedy, load_model
 from specdec.core.sampling import Sampling
@@ -22,13 +22,13 @@ from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.serving.config import parse
 from specdec.serving.rpc import MeasuredClient
 from specdec.serving.wire import DRAFTER_SERVICE, VERIFIER_SERVICE
-from specdec.train.feature_head import FeatureHeadConfig, run_feature_head
+from specdec.train.distill_head import FeatureHeadConfig, run_feature_head
 from specdec.train.unroll import unrolled, unrolled_loss
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 from tests.conftest import local_stack, service_pair, tiny_config
 from tests.test_distill import assert_resumes_after_kill, tiny_prompts  # noqa: F401 (a fixture)
 from tests.test_services import sampled_first_two_tokens
-from verifier_service.verifier import VerifierEngine
+from verifier_service.verifier import Verifier
 
 LAYERS = [0, 1, 2]  # embeddings and both layers of the tiny verifier
 VOCAB = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # a reduced draft vocabulary (EOS included)
@@ -91,7 +91,7 @@ def test_training_time_test_computes_what_a_live_draft_computes(head_dir):
 
 
 def test_verifier_sends_the_features_of_exactly_the_committed_positions(tiny_dirs, head_dir):
-    verifier = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"])), feature_checkpoint=str(head_dir))
+    verifier = Verifier(ModelSpec(str(tiny_dirs["verifier"])), feature_checkpoint=str(head_dir))
     plain = load_model(ModelSpec(str(tiny_dirs["verifier"])))
     fuse = load_feature_fuse(str(head_dir), plain)
     prompt = [1, 4, 7, 3]
@@ -318,7 +318,7 @@ def test_batched_samples_equal_the_one_at_a_time_path(tiny_dirs, tiny_verifier, 
     run here on the CPU: the same continuations, depths and targets as the sequential engine."""
     from specdec.core.engine import TransformersEngine
     from specdec.core.models import eos_token_ids, load_tokenizer
-    from specdec.train.feature_head import (
+    from specdec.train.distill_head import (
         _continue,
         _generate,
         _self_instruct,

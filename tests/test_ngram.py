@@ -205,7 +205,7 @@ def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, me
     context's n-grams) guesses the drafter's tokens; checked in the forwards the drafter runs
     anyway, right guesses save forwards and change nothing. With memory across requests a
     second session starts from what the first taught it; without, each starts afresh."""
-    from drafter_service.engines import drafter_for
+    from drafter_service.selection import drafter_for
     from specdec.core.models import ModelSpec, load_model
     from specdec.core.sampling import Sampling
     from specdec.core.tree import TreeShape

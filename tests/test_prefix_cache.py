@@ -11,7 +11,7 @@ from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree
 from specdec.serving.wire import model_info
 from tests.test_feature_head import head_dir  # noqa: F401 - the fixture
-from verifier_service.verifier import VerifierEngine
+from verifier_service.verifier import Verifier
 
 SHARED = [(7 * i + 3) % 15 + 1 for i in range(2 * BLOCK_TOKENS + 5)]  # two full blocks and some
 PROMPTS = [SHARED + [4, 9, 2], SHARED + [8], SHARED[: BLOCK_TOKENS + 3] + [11, 12, 13], [5, 6] + SHARED]
@@ -54,7 +54,7 @@ def test_the_least_recently_used_blocks_go_past_the_memory_bound():
     assert prefix.match(first) == [] and len(prefix.match(second)) == 2
 
 
-def rounds(engine: VerifierEngine, tag: str, keep_features: bool) -> list:
+def rounds(engine: Verifier, tag: str, keep_features: bool) -> list:
     """Each prompt: a fused round with features (which reads the prompt), then a tree."""
     results = []
     for i, prompt in enumerate(PROMPTS):
@@ -80,8 +80,8 @@ def assert_same_rounds(cached: list, fresh: list) -> None:
 
 def test_sessions_reading_a_cached_prefix_get_what_a_full_read_gives(tiny_dirs, head_dir):  # noqa: F811
     spec = ModelSpec(str(tiny_dirs["verifier"]), dtype="int8")
-    fresh_engine = VerifierEngine(spec, feature_checkpoint=str(head_dir))
-    cached_engine = VerifierEngine(spec, feature_checkpoint=str(head_dir), prefix_cache_mib=16)
+    fresh_engine = Verifier(spec, feature_checkpoint=str(head_dir))
+    cached_engine = Verifier(spec, feature_checkpoint=str(head_dir), prefix_cache_mib=16)
     assert fresh_engine.prefix is None and cached_engine.prefix is not None
     for keep_features in (False, True):  # the first pass fills the cache, the second reads it with features
         assert_same_rounds(
@@ -98,5 +98,5 @@ def test_sessions_reading_a_cached_prefix_get_what_a_full_read_gives(tiny_dirs, 
 
 
 def test_no_prefix_cache_where_rows_depend_on_the_pass(tiny_dirs):
-    engine = VerifierEngine(ModelSpec(str(tiny_dirs["verifier"]), dtype="float32"), prefix_cache_mib=16)
+    engine = Verifier(ModelSpec(str(tiny_dirs["verifier"]), dtype="float32"), prefix_cache_mib=16)
     assert not engine.engine.batch_invariant and engine.prefix is None

@@ -351,7 +351,7 @@ def test_distill_flags_parse_comma_separated_lists():
 def test_ablation_prompt_sets_and_checks(steering_runs):
     import argparse
 
-    from specdec.bench.steering import excluded_categories, prompt_sets, steering_checks
+    from specdec.bench.steering_ablation import excluded_categories, prompt_sets, steering_checks
 
     joint = steering_runs["joint"]
     assert excluded_categories(joint["drafter_dir"]) == ["c"]
@@ -381,7 +381,7 @@ def test_staged_drafting_under_steering_drafts_what_the_drafter_alone_drafts(ste
     """A steering vector changes what a fed node's cache rows hold, so a staged drafter may
     reuse across calls only the nodes the drafter alone would have fed, not its guesses; its
     drafts stay the drafter's own, round after round, with a new vector each round."""
-    from drafter_service.engines import drafter_for
+    from drafter_service.selection import drafter_for
     from specdec.core.ngram import NgramSettings
     from specdec.core.sampling import Sampling
     from specdec.core.tree import ROOT, TreeShape

@@ -18,11 +18,11 @@ from specdec.serving.wire import (
     tree_from_proto,
 )
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service.verifier import VerifierEngine
+from verifier_service.verifier import Verifier
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine, compute: ComputeThread):
+    def __init__(self, engine: Verifier, compute: ComputeThread):
         self.engine = engine
         self.batcher = Batcher(compute, engine.forward_many)  # the rounds of sessions that arrive together share passes
 
@@ -76,7 +76,7 @@ def _servicer(config, steering_checkpoint: str | None, feature_checkpoint: str |
     compute = ComputeThread()
     compute.run(set_torch_threads, config.torch_threads)
     engine = compute.run(
-        VerifierEngine, config.model, steering_checkpoint, feature_checkpoint, limits, config.prefix_cache_mib,
+        Verifier, config.model, steering_checkpoint, feature_checkpoint, limits, config.prefix_cache_mib,
     )
     return VerifierServicer(engine, compute)
 

@@ -84,7 +84,7 @@ class VerifierSession:
         return self.cache.get_seq_length()
 
 
-class VerifierEngine:
+class Verifier:
     def __init__(
         self, spec: ModelSpec, steering_checkpoint: str | None = None, feature_checkpoint: str | None = None,
         limits: LimitsConfig = LimitsConfig(), prefix_cache_mib: float = 0.0,

@@ -1,12 +1,18 @@
-"""The CPU anchor: llama.cpp (through llama-cpp-python, the `llamacpp` extra) decoding the served
-verifier's own GGUF file, plain and with its prompt-lookup decoding. The bench adds these rows
-when the package is installed and the verifier comes from a GGUF file; nothing else needs it."""
+"""The CPU anchor: llama.cpp decoding the served verifier's own GGUF file. Through llama-cpp-python
+(the `llamacpp` extra): plain and with its prompt-lookup decoding, rows the bench adds when the
+package is installed and the verifier comes from a GGUF file. Through `llama-speculative-simple`
+(scripts/build_llama_cpp.sh; `specdec bench --llama-cpp`): plain, with a draft model of the same
+vocabulary, or with its n-gram drafting. Nothing else needs either."""
 from __future__ import annotations
 
 import importlib.util
+import re
+import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.core.fetch import cache_dir
 from specdec.core.hub import gguf_file_of
 
 PROMPT_LOOKUP_TOKENS = 10  # llama-cpp-python's documented example value
@@ -50,3 +56,97 @@ class LlamaCppDecoder:
             if token in self.eos_ids or len(new) == max_new_tokens:
                 break
         return new, time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class LlamaCppMode:
+    """One way `llama-speculative-simple` decodes: `none` (plain decoding), `draft-simple` (a draft
+    model of the same vocabulary, up to `draft_max` tokens a round, each drafted only while the
+    draft model's probability is at least `p_min`), or one of its n-gram types."""
+
+    spec_type: str
+    draft_max: int = 0  # 0: llama.cpp's default
+    p_min: float = 0.0  # 0: llama.cpp's default
+
+    @classmethod
+    def parse(cls, text: str) -> "LlamaCppMode":
+        """TYPE[:DRAFT_MAX[:P_MIN]], e.g. none, ngram-simple, draft-simple:8:0.75."""
+        spec_type, *rest = text.split(":")
+        if spec_type not in SPEC_TYPES or len(rest) > 2:
+            raise ValueError(f"llama.cpp mode {text!r}: expected TYPE[:DRAFT_MAX[:P_MIN]] with TYPE one of {', '.join(SPEC_TYPES)}")
+        return cls(spec_type, int(rest[0]) if rest else 0, float(rest[1]) if len(rest) > 1 else 0.0)
+
+    @property
+    def name(self) -> str:
+        if self.spec_type == "none":
+            return "llama_cpp_cli"
+        suffix = (f"_{self.draft_max}" if self.draft_max else "") + (f"_p{self.p_min:g}" if self.p_min else "")
+        return "llama_cpp_" + self.spec_type.replace("-", "_") + suffix
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.spec_type == "draft-simple"
+
+
+SPEC_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def llama_cpp_binary(name: str) -> Path:
+    """`llama-completion` or `llama-speculative-simple` as scripts/build_llama_cpp.sh installs them."""
+    binary = cache_dir() / "llama.cpp" / "bin" / name
+    if not binary.is_file():
+        raise FileNotFoundError(f"{binary} is not built: run scripts/build_llama_cpp.sh (~10 minutes on 2 cores)")
+    return binary
+
+
+@dataclass
+class LlamaCppRun:
+    text: str
+    seconds: float  # the prompt's read and the decoding, as llama.cpp times them (not its model loading)
+    drafted: int
+    accepted: int
+
+
+class LlamaCppBinary:
+    """llama.cpp on the verifier's GGUF file, one process per prompt (each starts from an empty
+    cache, as the bench's stacks do): `llama-completion` for plain decoding, else
+    `llama-speculative-simple`. The prompt goes as text with its special tokens spelled out,
+    which llama.cpp reads back as those tokens (as an argument: a prompt file loses its last newline)."""
+
+    SPEC_TIMES = re.compile(r"(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds")
+    PLAIN_TIMES = re.compile(r"(prompt eval|\beval) time =\s+([\d.]+) ms /\s+(\d+)")
+    COUNTS = re.compile(r"n_(drafted|accept)\s+=\s+(\d+)")
+
+    def __init__(self, gguf: Path, mode: LlamaCppMode, threads: int, draft_gguf: Path | None = None, context: int = 4096):
+        if mode.needs_draft_model and draft_gguf is None:
+            raise ValueError(f"llama.cpp mode {mode.spec_type} needs a draft model (--llama-cpp-draft)")
+        self.plain = mode.spec_type == "none"
+        binary = llama_cpp_binary("llama-completion" if self.plain else "llama-speculative-simple")
+        self.command = [str(binary), "-m", str(gguf), "-c", str(context), "-t", str(threads), "-tb", str(threads), "--no-escape"]
+        if self.plain:
+            self.command += ["-no-cnv", "--no-display-prompt"]
+        else:
+            self.command += ["--spec-type", mode.spec_type]
+        if mode.needs_draft_model:
+            self.command += ["-md", str(draft_gguf), "-td", str(threads), "-tbd", str(threads)]
+        if mode.draft_max:
+            self.command += ["--spec-draft-n-max", str(mode.draft_max)]
+        if mode.p_min:
+            self.command += ["--spec-draft-p-min", str(mode.p_min)]
+
+    def generate(self, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> LlamaCppRun:
+        request = ["-p", prompt, "-n", str(max_new_tokens), "--temp", str(temperature), "--seed", str(seed)]
+        done = subprocess.run(self.command + request, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(self.command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        log = done.stdout + done.stderr
+        if self.plain:
+            times = {kind: float(ms) / 1e3 for kind, ms, _ in self.PLAIN_TIMES.findall(log)}
+            text = done.stdout.removesuffix("\n").removesuffix(" [end of text]")
+        else:
+            times = {kind: float(seconds) for kind, _, seconds in self.SPEC_TIMES.findall(log)}
+            text = done.stdout.split(prompt, 1)[-1]  # it echoes the prompt first
+        if len(times) != 2:
+            raise RuntimeError(f"no timings in llama.cpp's output:\n{log[-3000:]}")
+        counts = {kind: int(n) for kind, n in self.COUNTS.findall(log)}
+        return LlamaCppRun(text, sum(times.values()), counts.get("drafted", 0), counts.get("accept", 0))

@@ -65,6 +65,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="the rows run in the bench's own process (hf_assisted, hf_generate, hf_generate_fp32, hf_prompt_lookup): "
         "--no-in-process leaves them out (a 1.5B verifier's float32 generate() takes minutes a prompt)",
     )
+    parser.add_argument(
+        "--llama-cpp",
+        help="comma-separated llama.cpp rows on the verifier's GGUF file (binaries built by scripts/build_llama_cpp.sh): none "
+        "(plain decoding, llama-completion), or llama-speculative-simple with draft-simple[:N[:P_MIN]] (--llama-cpp-draft "
+        "drafting up to N tokens a round), ngram-simple, ngram-map-k, ngram-mod or ngram-cache; e.g. none,draft-simple:3,ngram-mod",
+    )
+    parser.add_argument("--llama-cpp-draft", help="the draft model of the draft-simple rows: a GGUF source of the verifier's vocabulary")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", help="YAML config for the stack (models, placement, speculation)")
     parser.add_argument("--port", type=int, default=50061, help="client port of the stack the bench starts")
@@ -153,10 +160,10 @@ def _study(args, setup: BenchSetup):
                 lambda report, path: quality.plot_quality(report["results"], path),
                 lambda report: quality.format_quality(report["results"]), {"question_ids": setup.question_ids()})
     if args.steering_ablation:
-        from specdec.bench import steering
+        from specdec.bench import steering_ablation
 
-        return (lambda: steering.run_steering_ablation(args, config, setup.app_args, setup.tokenizer, setup.shapes[tree], budget),
-                steering.plot_ablation, steering.format_ablation, {})
+        return (lambda: steering_ablation.run_steering_ablation(args, config, setup.app_args, setup.tokenizer, setup.shapes[tree], budget),
+                steering_ablation.plot_ablation, steering_ablation.format_ablation, {})
     if args.concurrency:
         from specdec.bench import concurrency
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.bench.llama_cpp import LlamaCppDecoder, verifier_gguf
+from specdec.bench.llama_cpp import LlamaCppBinary, LlamaCppDecoder, LlamaCppMode, LlamaCppRun, verifier_gguf
 from specdec.bench.llama_cpp import installed as llama_cpp_installed
 from specdec.bench.loopback import loopback_call_ms
 from specdec.bench.network import COLOCATED
@@ -99,6 +99,16 @@ class Tally:
         self.tokens.append(len(token_ids))
         self.seconds.append(seconds)
         self.outputs.append(list(token_ids))
+
+    def add_llama_cpp(self, run: LlamaCppRun, tokenizer, max_new_tokens: int) -> None:
+        """Its text in the verifier's tokens (llama.cpp stops at end-of-generation without printing
+        it). Speculative decoding may overshoot the limit by a round: the tokens past it are cut,
+        their share of the time with them."""
+        tokens = tokenizer(run.text, add_special_tokens=False)["input_ids"]
+        kept = tokens[:max_new_tokens]
+        self.add(kept, run.seconds * len(kept) / max(len(tokens), 1))
+        self.drafted += run.drafted
+        self.accepted += run.accepted
 
     def add_service(self, response, seconds: float) -> None:
         stats = response.stats
@@ -247,6 +257,19 @@ def run_speed(args, setup: BenchSetup) -> int:
             decoder = LlamaCppDecoder(gguf, torch.get_num_threads(), eos, prompt_lookup=lookup)
             methods.append((name, None, name, None, None, None,
                             lambda i, t, d=decoder: d.generate(prompt_ids[i], args.max_new_tokens, t, args.seed + i)))
+    if args.llama_cpp:  # llama-speculative-simple on the same file: plain, with a draft model, with its n-gram drafting
+        prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+        if gguf is None:
+            raise SystemExit(f"--llama-cpp needs a verifier from a GGUF file; {served.source} is not one")
+        draft_gguf = verifier_gguf(args.llama_cpp_draft) if args.llama_cpp_draft else None
+        for mode in map(LlamaCppMode.parse, args.llama_cpp.split(",")):
+            binary = LlamaCppBinary(gguf, mode, torch.get_num_threads(), draft_gguf)
+
+            def run(i: int, t: float, binary=binary) -> tuple[LlamaCppRun, float]:
+                answer = binary.generate(prompt_texts[i], args.max_new_tokens, t, args.seed + i)
+                return answer, answer.seconds
+            methods.append((mode.name, None, "llama_cpp_binary", args.llama_cpp_draft if mode.needs_draft_model else None, None,
+                            mode.draft_max or None, run))
     methods += [
         ("hf_assisted", None, "hf_assisted", assistant, None, None, lambda i, t: in_process(i, verifier, True, t)),
         ("hf_generate", None, "hf_generate", None, None, None, lambda i, t: in_process(i, verifier, False, t)),
@@ -270,6 +293,8 @@ def run_speed(args, setup: BenchSetup) -> int:
                     answer, seconds = runner(i, temperature)
                     if isinstance(answer, list):
                         tallies[name].add(answer, seconds)
+                    elif isinstance(answer, LlamaCppRun):
+                        tallies[name].add_llama_cpp(answer, tokenizer, args.max_new_tokens)
                     else:
                         tallies[name].add_service(answer, seconds)
             alone_in = {variant: tallies[name] for name, variant, method, *_ in methods if method == "autoregressive"}
@@ -289,6 +314,7 @@ def run_speed(args, setup: BenchSetup) -> int:
                     "tokens_per_verify_call": sum(tally.tokens) / tally.rounds if tally.rounds else None,
                     "draft_forwards_per_round": tally.draft_forward_passes / tally.speculative_rounds if tally.speculative_rounds else None,
                     "drafted_per_round": tally.drafted / tally.speculative_rounds if tally.speculative_rounds else None,
+                    "draft_acceptance": tally.accepted / tally.drafted if tally.drafted else None,
                     # Drafting across tokenizers: the drafter's own tokens, its re-encoding rollbacks and mapping time per round.
                     "across_tokenizers": {
                         "own_tokens_per_round": tally.own_tokens / tally.speculative_rounds,

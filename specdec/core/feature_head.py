@@ -8,7 +8,7 @@ RMS-normalised and fused by FC(2H -> H) (normalising first, as EAGLE-3 does, kee
 token from drowning in the residual stream's outlier channels); its output
 predicts t_{j+1} over the reduced draft vocabulary. A draft continues on the head's own
 outputs: a drafted node reads its token and its parent's output instead of a verifier
-feature, as the head was trained to (the training-time test, specdec/train/feature_head.py).
+feature, as the head was trained to (the training-time test, specdec/train/distill_head.py).
 Position 0 has no feature before it and reads zeros.
 
 A checkpoint is a directory next to nothing else:

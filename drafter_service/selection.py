@@ -1,7 +1,7 @@
 """Which drafter serves a drafter model source."""
 from __future__ import annotations
 
-from drafter_service.drafter import DrafterEngine
+from drafter_service.drafter import DraftingSessions
 from drafter_service.cross_tokenizer_drafter import CrossTokenizerDrafter
 from drafter_service.drafting import Drafter
 from drafter_service.feature_drafter import FeatureDrafter
@@ -20,7 +20,7 @@ from specdec.serving.config import LimitsConfig
 def drafter_for(
     spec: ModelSpec, proposal_top_k: int = 32, steering_checkpoint: str | None = None, ngram: NgramSettings | None = None,
     staged_lookahead: int = 0, limits: LimitsConfig = LimitsConfig(), verifier_tokenizer: str | None = None,
-) -> DrafterEngine:
+) -> DraftingSessions:
     """The n-gram drafter (no model) for 'prompt-lookup' or 'suffix', the oracle for a
     benchmark's reference table, else a feature head or a model drafter with n-gram candidates
     on request (hybrid; by default `ngram.method`). Staged speculation (`staged_lookahead`
@@ -54,4 +54,4 @@ def drafter_for(
                 bridge = TokenizerBridge(load_tokenizer(spec.source), load_tokenizer(verifier_tokenizer))
                 inner = CrossTokenizerDrafter(inner, bridge, settings.max_ngram, limits.max_draft_tokens)
         drafter = HybridDrafter(inner, methods, settings.method or "none")
-    return DrafterEngine(drafter, methods, settings.max_ngram, spec.source, limits)
+    return DraftingSessions(drafter, methods, settings.max_ngram, spec.source, limits)
