@@ -550,16 +550,19 @@ def _panels_by_temperature(results: list[dict], width: float, height: float):
 
 
 def _save(fig, title: str, path: Path) -> None:
+    import textwrap
+
     import matplotlib.pyplot as plt
 
-    fig.suptitle(title)
+    fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 11)))  # about the characters a line of the figure holds
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_results(results: list[dict], path: Path) -> None:
-    fig, panels = _panels_by_temperature(results, 6, 4)
+    most = max(Counter(r["temperature"] for r in results).values())
+    fig, panels = _panels_by_temperature(results, max(6.0, 0.9 * most), 4)
     for ax, temperature in panels:
         rows = [r for r in results if r["temperature"] == temperature]
         ax.bar([r["name"] for r in rows], [r["tokens_per_second"] for r in rows], color="tab:blue")
@@ -567,7 +570,7 @@ def plot_results(results: list[dict], path: Path) -> None:
             ax.text(i, r["tokens_per_second"], f"{r['speedup_vs_autoregressive']:.2f}x", ha="center", va="bottom")
         ax.set_title(f"T = {temperature:g}")
         ax.set_ylabel("tokens / s")
-        ax.tick_params(axis="x", rotation=30)
+        ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=30, ha="right")
     _save(fig, "specdec bench: tokens/s (label: speedup vs verifier-only through the services)", path)
 
 
