@@ -41,3 +41,14 @@ def test_llama_cpp_modes_parse_and_name_their_rows():
     for bad in ("eagle", "draft-simple:8:0.75:1", "none:x"):
         with pytest.raises(ValueError):
             LlamaCppMode.parse(bad)
+
+
+def test_the_new_text_is_read_from_each_binarys_output():
+    """Outputs as the two binaries print them (llama.cpp 0.3.36's, SmolLM2, 6 tokens)."""
+    from specdec.bench.llama_cpp import generated_text
+
+    prompt = "The capital of France is"
+    assert generated_text(" Paris.\n\nThe United\n", prompt, plain=True) == " Paris.\n\nThe United"
+    assert generated_text(" Paris. [end of text]\n", prompt, plain=True) == " Paris."
+    spec = "\n\nThe capital of France is Paris.\n\nThe United States\n\n\n"
+    assert generated_text(spec, prompt, plain=False) == " Paris.\n\nThe United States\n"

@@ -142,11 +142,19 @@ class LlamaCppBinary:
         log = done.stdout + done.stderr
         if self.plain:
             times = {kind: float(ms) / 1e3 for kind, ms, _ in self.PLAIN_TIMES.findall(log)}
-            text = done.stdout.removesuffix("\n").removesuffix(" [end of text]")
         else:
             times = {kind: float(seconds) for kind, _, seconds in self.SPEC_TIMES.findall(log)}
-            text = done.stdout.split(prompt, 1)[-1]  # it echoes the prompt first
+        text = generated_text(done.stdout, prompt, self.plain)
         if len(times) != 2:
             raise RuntimeError(f"no timings in llama.cpp's output:\n{log[-3000:]}")
         counts = {kind: int(n) for kind, n in self.COUNTS.findall(log)}
         return LlamaCppRun(text, sum(times.values()), counts.get("drafted", 0), counts.get("accept", 0))
+
+
+def generated_text(stdout: str, prompt: str, plain: bool) -> str:
+    """The new text in a binary's standard output: llama-completion prints it and a newline (after
+    " [end of text]" where it stopped at one); llama-speculative-simple prints two newlines, the
+    prompt, the new text and two newlines."""
+    if plain:
+        return stdout.removesuffix("\n").removesuffix(" [end of text]")
+    return stdout.split(prompt, 1)[-1].removesuffix("\n\n")
