@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "benchmarks"
@@ -65,8 +66,6 @@ YAML_BLOCK = re.compile(r"```yaml\n(.*?)```", re.S)
 def test_the_config_examples_load(page, tmp_path):
     """Every YAML example a page shows is a config the code accepts (what a reader copies must
     work); the files it names (`*_file` keys) are made in a scratch directory first."""
-    import yaml
-
     from specdec.serving.config import config_from_dict
 
     def with_files(node):
@@ -82,3 +81,19 @@ def _scratch_file(directory: Path, name: str) -> str:
     path = directory / Path(name).name
     path.write_text("example-token\n")
     return str(path)
+
+
+# deploy/*.yaml with a verifier section (serve.yaml is Ray Serve's config: tests/test_deploy_manifests.py)
+SERVE_CONFIGS = [p for p in sorted((REPO / "deploy").glob("*.yaml")) if "verifier" in yaml.safe_load(p.read_text())]
+
+
+@pytest.mark.parametrize("config", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_the_deploy_configs_load(config):
+    """The configs `specdec serve --config` is pointed at (Serve's and KubeRay's manifests have their own tests)."""
+    from specdec.serving.config import load_config
+
+    load_config(str(config))
+
+
+def test_the_coder_configs_are_found():
+    assert {p.name for p in SERVE_CONFIGS} == {"qwen2.5-coder.yaml", "qwen2.5-coder-smollm2.yaml"}
