@@ -98,13 +98,19 @@ def test_coordinator_measures_the_injected_latency(tiny_dirs):
 @pytest.mark.parametrize(
     "link,phrase",
     [
-        ({"rtt_ms": -1}, "coordinator.network.drafter.rtt_ms"),
+        ({"rtt_ms": -1}, "coordinator.network.drafter: rtt_ms must be a finite number >= 0"),
+        ({"jitter_ms": float("inf")}, "coordinator.network.drafter: jitter_ms must be a finite number >= 0"),
         ({"bandwidth_mbps": "fast"}, "coordinator.network.drafter.bandwidth_mbps must be a valid number"),
     ],
 )
 def test_bad_link_settings_are_refused(link, phrase):
     with pytest.raises(ConfigError, match=phrase):
         config_from_dict({"coordinator": {"network": {"drafter": link}}})
+
+
+def test_link_settings_check_themselves_wherever_they_are_made():
+    with pytest.raises(ValueError, match="rtt_ms must be a finite number >= 0, got -5"):
+        LinkSettings(rtt_ms=-5)
 
 
 def test_sweep_policies_and_checks_compare_like_with_like():

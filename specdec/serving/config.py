@@ -223,7 +223,7 @@ class ServiceTlsConfig:
                 _read("coordinator.service_tls.client_cert_file", self.client_cert_file)) if self.mutual else (None, None)
         return grpc.ssl_channel_credentials(_read("coordinator.service_tls.ca_file", self.ca_file), *mine)
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
             raise ValueError("needs both cert_file and key_file (or neither)")
         if bool(self.client_cert_file) != bool(self.client_key_file):
@@ -369,10 +369,6 @@ class Config:
         tls = self.coordinator.tls
         if bool(tls.cert_file) != bool(tls.key_file):
             raise ConfigError("coordinator.tls needs both cert_file and key_file (or neither)")
-        try:
-            self.coordinator.service_tls.validate()
-        except ValueError as err:
-            raise ConfigError(f"coordinator.service_tls {err}") from None
         try:  # the certificate files are read where the coordinator starts (other nodes may lack them)
             self.coordinator.auth.accepted()
         except ValueError as err:
@@ -408,11 +404,6 @@ class Config:
             self.coordinator.tree.validate(limits.max_draft_tokens)
         except ValueError as err:
             raise ConfigError(f"coordinator.{err}") from None
-        for link in ("drafter", "verifier"):
-            try:
-                getattr(self.coordinator.network, link).validate()
-            except ValueError as err:
-                raise ConfigError(f"coordinator.network.{link}.{err}") from None
 
 
 def _check_autoscaling(name: str, settings: dict) -> None:

@@ -20,7 +20,7 @@ class LinkSettings:
     jitter_ms: float = 0.0  # standard deviation of each direction's delay
     bandwidth_mbps: float = 0.0  # cap in each direction; 0 = unlimited
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:  # checked wherever settings are made: a config, a bench's sweep, a test
         for name in ("rtt_ms", "jitter_ms", "bandwidth_mbps"):
             value = getattr(self, name)
             if not 0.0 <= value < float("inf"):
@@ -36,7 +36,6 @@ class LatencyProxy:
     delayed pipe in each direction. The settings may be changed while it runs."""
 
     def __init__(self, target: str, settings: LinkSettings, seed: int = 0):
-        settings.validate()
         self.target_host, target_port = target.rsplit(":", 1)
         self.target_port = int(target_port)
         self.settings = settings
