@@ -321,7 +321,7 @@ def test_bearer_tokens_guard_the_client_api_but_not_health(tiny_dirs, tmp_path):
             assert len(client.generate(request).token_ids) == 4
             client.close()
     with pytest.raises(ConfigError, match="cannot read"):
-        config_from_dict(tiny_config(tiny_dirs, auth={"tokens_file": str(tmp_path / "absent")})).validate()
+        config_from_dict(tiny_config(tiny_dirs, auth={"tokens_file": str(tmp_path / "absent")}))
 
 
 def test_the_limits_section_bounds_every_service(tiny_dirs):
