@@ -63,6 +63,7 @@ def test_default_config_is_the_builtin_pair():
             {"coordinator": {"verifier_in_process": True, "network": {"verifier": {"rtt_ms": 5}}}},
             "coordinator.network.verifier emulates a link to a verifier",
         ),
+        ({"coordinator": {"tls": {"cert_file": "s.pem"}}}, "coordinator.tls: needs both cert_file and key_file"),
         ({"coordinator": {"service_tls": {"cert_file": "s.pem"}}}, "coordinator.service_tls: needs both cert_file and key_file"),
         ({"coordinator": {"service_tls": {"cert_file": "s.pem", "key_file": "s.key"}}}, "coordinator.service_tls: needs ca_file"),
         (

@@ -174,6 +174,10 @@ class TlsConfig:
     key_file: str = ""
     ca_file: str = ""  # what this project's own clients (start-up health check, demo) trust; "" = cert_file
 
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("needs both cert_file and key_file (or neither)")
+
     @property
     def enabled(self) -> bool:
         return bool(self.cert_file)
@@ -366,9 +370,6 @@ class Config:
         for name in ("drafter", "verifier", "coordinator"):
             if getattr(self, name).autoscaling:
                 _check_autoscaling(name, getattr(self, name).autoscaling)
-        tls = self.coordinator.tls
-        if bool(tls.cert_file) != bool(tls.key_file):
-            raise ConfigError("coordinator.tls needs both cert_file and key_file (or neither)")
         try:  # the certificate files are read where the coordinator starts (other nodes may lack them)
             self.coordinator.auth.accepted()
         except ValueError as err:
