@@ -258,9 +258,9 @@ def run_speed(args, setup: BenchSetup) -> int:
             methods.append((name, None, name, None, None, None,
                             lambda i, t, d=decoder: d.generate(prompt_ids[i], args.max_new_tokens, t, args.seed + i)))
     if args.llama_cpp:  # llama-speculative-simple on the same file: plain, with a draft model, with its n-gram drafting
-        prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
         if gguf is None:
             raise SystemExit(f"--llama-cpp needs a verifier from a GGUF file; {served.source} is not one")
+        prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
         draft_gguf = verifier_gguf(args.llama_cpp_draft) if args.llama_cpp_draft else None
         for mode in map(LlamaCppMode.parse, args.llama_cpp.split(",")):
             binary = LlamaCppBinary(gguf, mode, torch.get_num_threads(), draft_gguf)
