@@ -52,3 +52,15 @@ def test_the_new_text_is_read_from_each_binarys_output():
     assert generated_text(" Paris. [end of text]\n", prompt, plain=True) == " Paris."
     spec = "\n\nThe capital of France is Paris.\n\nThe United States\n\n\n"
     assert generated_text(spec, prompt, plain=False) == " Paris.\n\nThe United States\n"
+
+
+def test_llama_cpp_rows_say_what_they_lack(tmp_path, monkeypatch):
+    """Without the built binaries, or a draft model for draft-simple, the rows refuse with the fix."""
+    from specdec.bench.llama_cpp import LlamaCppBinary, LlamaCppMode
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    gguf = verifier_gguf(BUILTIN_SMOLLM2)
+    with pytest.raises(FileNotFoundError, match="run scripts/build_llama_cpp.sh"):
+        LlamaCppBinary(gguf, LlamaCppMode.parse("ngram-mod"), 2)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LlamaCppBinary(gguf, LlamaCppMode.parse("draft-simple:3"), 2)
