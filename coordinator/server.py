@@ -166,11 +166,11 @@ class Coordinator:
         budget = request.num_draft_tokens if request.HasField("num_draft_tokens") else self.config.num_draft_tokens
         if not 0 <= budget <= limits.max_draft_tokens:
             raise invalid(f"num_draft_tokens must be in [0, {limits.max_draft_tokens}] (0 = verifier only), got {budget}")
-        shape = shape_from_proto(request.tree) if request.HasField("tree") else self.config.tree
         try:
-            shape.validate(limits.max_draft_tokens)
+            shape = shape_from_proto(request.tree) if request.HasField("tree") else self.config.tree
+            shape.check_limit(limits.max_draft_tokens)
         except ValueError as err:
-            raise invalid(str(err)) from None
+            raise invalid(f"tree: {err}") from None
         if shape.ngram == "none" and not self.pair.drafter_info.num_layers:
             raise invalid("tree.ngram none asks for a drafter model's drafts; this drafter has no model (it drafts n-grams only)")
         # A request that names its plan runs it; the others get the server's default.

@@ -92,7 +92,7 @@ class DraftingSessions:
         if not 1 <= num_tokens <= cap:
             raise invalid(f"num_draft_tokens must be in [1, {cap}], got {num_tokens}")
         try:
-            shape.validate(cap)
+            shape.check_limit(cap)
         except ValueError as err:
             raise invalid(f"tree_shape: {err}") from None
         self.drafter.check(shape)

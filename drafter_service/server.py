@@ -51,7 +51,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             )
         else:
             session = self.engine.sessions.get(request.session_id)
-        shape = shape_from_proto(request.tree_shape)
+        try:
+            shape = shape_from_proto(request.tree_shape)
+        except ValueError as err:
+            raise invalid(f"tree_shape: {err}") from None
         steering = None
         if request.HasField("steering"):
             if not self.engine.info.steering_size:

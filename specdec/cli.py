@@ -101,7 +101,11 @@ def cmd_generate(args) -> int:
     if overrides and "method" not in overrides:
         print("error: --tree-branching, --tree-width and --tree-depth need --tree", file=sys.stderr)
         return 2
-    tree = shape_to_proto(TreeShape(**overrides)) if overrides else None
+    try:
+        tree = shape_to_proto(TreeShape(**overrides)) if overrides else None
+    except ValueError as err:
+        print(f"error: --tree: {err}", file=sys.stderr)
+        return 2
     try:
         _stream_to_terminal(
             args.address,

@@ -56,10 +56,10 @@ def still_serving(coordinator):
         ({"prompt": "w1", "stop": ["x" * 257]}, ["longer than 256 characters"]),
         ({"prompt": "w1 " * 10**6}, ["characters, more than the verifier's context"]),
         ({"prompt": "w1", "num_draft_tokens": -1}, ["num_draft_tokens"]),
-        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="beam")}, ["tree method must be one of", "rsd-s"]),
+        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="beam")}, ["tree: method must be one of", "rsd-s"]),
         ({"prompt": "w1", "tree": common_pb2.TreeShape(method="static", branching=[2, 0])}, ["branching"]),
-        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="dynamic", width=10**6)}, ["tree width must be in [1, 64]"]),
-        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="static", branching=[2] * 100)}, ["branching must list 1 to 64"]),
+        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="dynamic", width=10**6)}, ["tree: width must be in [1, 64]"]),
+        ({"prompt": "w1", "tree": common_pb2.TreeShape(method="static", branching=[2] * 100)}, ["tree: branching must list 1 to 64"]),
         ({"prompt": "w1", "tree": common_pb2.TreeShape(max_depth=1000)}, ["max_depth must be in [0, 64]"]),
     ],
 )

@@ -122,9 +122,9 @@ def test_merge_keeps_the_first_tree_and_adds_the_paths_it_lacks():
 
 
 def test_ngram_settings_are_validated_with_the_key_named(tiny_dirs):
-    with pytest.raises(ConfigError, match="drafter.ngram.method"):
+    with pytest.raises(ConfigError, match="drafter.ngram: method must be '' or one of"):
         config_from_dict({"drafter": {"ngram": {"method": "bigram"}}})
-    with pytest.raises(ConfigError, match="min_ngram"):
+    with pytest.raises(ConfigError, match="drafter.ngram: min_ngram"):
         config_from_dict({"drafter": {"ngram": {"min_ngram": 5, "max_ngram": 3}}})
     with pytest.raises(ConfigError, match="drafter.ngram.method is for a model drafter"):
         config_from_dict({"drafter": {"model": "suffix", "ngram": {"method": "suffix"}}})

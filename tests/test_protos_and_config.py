@@ -47,14 +47,14 @@ def test_default_config_is_the_builtin_pair():
         ({"drafter": {"model": {"layers": 0}}}, "drafter.model.layers"),
         ({"drafter": {"ray_actor_options": 3}}, "drafter.ray_actor_options must be a mapping"),
         ({"verifier": {"model": 12}}, "verifier.model must be a mapping"),
-        ({"coordinator": {"tree": {"method": "beam"}}}, "coordinator.tree method must be one of chain, static"),
-        ({"coordinator": {"tree": {"branching": [2, 0]}}}, "coordinator.tree branching"),
-        ({"coordinator": {"tree": {"width": 0}}}, "coordinator.tree width"),
+        ({"coordinator": {"tree": {"method": "beam"}}}, "coordinator.tree: method must be one of chain, static"),
+        ({"coordinator": {"tree": {"branching": [2, 0]}}}, "coordinator.tree: branching"),
+        ({"coordinator": {"tree": {"width": 0}}}, "coordinator.tree: width"),
         ({"coordinator": {"tree": {"depth": 3}}}, "unknown key coordinator.tree.depth"),
         ({"limits": {"max_sessions": 0}}, "limits.max_sessions must be greater than 0"),
         ({"coordinator": {"request_timeout_s": 0}}, "coordinator.request_timeout_s must be greater than 0"),
         ({"limits": {"max_kv_mib": 100.0}}, "limits.max_session_kv_mib must be <= limits.max_kv_mib"),
-        ({"limits": {"max_draft_tokens": 40}, "coordinator": {"tree": {"width": 41}}}, r"coordinator.tree width must be in \[1, 40\]"),
+        ({"limits": {"max_draft_tokens": 40}, "coordinator": {"tree": {"width": 41}}}, r"coordinator.tree: width must be in \[1, 40\]"),
         ({"limits": {"max_draft_tokens": 20}}, r"adaptive budgets must be in \[1, 20\]"),  # the default tree budgets reach 32
         ({"limits": {"max_draft_tokens": 2}}, "coordinator.num_draft_tokens must be in"),  # the default budget is 4
         ({"limits": {"max_fused_tokens": 4}}, "fused_block_tokens must be <= limits.max_fused_tokens"),

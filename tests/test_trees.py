@@ -311,14 +311,24 @@ def test_tree_shape_wire_and_validation():
     shape = TreeShape("rsd-c", branching=[4, 2], width=3, max_depth=5)
     assert shape_from_proto(shape_to_proto(shape)) == shape
     for bad, message in [
-        (TreeShape("beam"), "tree method must be one of"),
-        (TreeShape("static", branching=[]), "branching"),
-        (TreeShape("static", branching=[2, 0]), "branching"),
-        (TreeShape("dynamic", width=0), "width"),
-        (TreeShape("dynamic", max_depth=-1), "max_depth"),
+        ({"method": "beam"}, "method must be one of"),
+        ({"method": "static", "branching": []}, "branching"),
+        ({"method": "static", "branching": [2, 0]}, "branching"),
+        ({"method": "dynamic", "width": 0}, "width"),
+        ({"method": "dynamic", "max_depth": -1}, "max_depth"),
+        ({"method": "dynamic", "ngram": "bigram"}, "ngram must be"),
     ]:
         with pytest.raises(ValueError, match=message):
-            bad.validate()
+            TreeShape(**bad)
+    for past_cap, message in [
+        (TreeShape("static", branching=[2] * 9), "branching must list 1 to 8"),
+        (TreeShape("static", branching=[9]), r"integers in \[1, 8\]"),
+        (TreeShape("dynamic", width=9), r"width must be in \[1, 8\]"),
+        (TreeShape("dynamic", max_depth=9), r"max_depth must be in \[0, 8\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            past_cap.check_limit(8)
+    TreeShape("static", branching=[8] * 8, width=8, max_depth=8).check_limit(8)
 
 
 # --- every method through the real services -------------------------------------------------

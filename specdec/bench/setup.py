@@ -43,9 +43,8 @@ def bench_setup(args) -> BenchSetup:
 
     shapes = {}
     for method in args.trees.split(","):
-        shapes[method] = TreeShape(**{**tree_overrides(args), "method": method})
         try:
-            shapes[method].validate()
+            shapes[method] = TreeShape(**{**tree_overrides(args), "method": method})
         except ValueError as err:
             raise SystemExit(f"--trees: {err}") from None
     categories = args.categories.split(",") if args.categories else None

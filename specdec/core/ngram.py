@@ -37,8 +37,8 @@ class NgramSettings:
     # outputs, staged drafting three times as many of the drafter's own choices.
     recent_output_tokens: int = 65536
 
-    def validate(self, model_free: bool) -> None:
-        """Raises ValueError naming the bad key."""
+    def __post_init__(self) -> None:
+        """Checked wherever settings are made: raises ValueError naming the bad key."""
         if self.method and self.method not in NGRAM_METHODS:
             raise ValueError(f"method must be '' or one of {', '.join(NGRAM_METHODS)}, got '{self.method}'")
         checks = [
@@ -47,7 +47,6 @@ class NgramSettings:
             (0.0 <= self.min_share <= 1.0, "min_share must be in [0, 1]"),
             (self.length_factor > 0, "length_factor must be > 0"),
             (self.recent_output_tokens >= 0, "recent_output_tokens must be >= 0"),
-            (not (model_free and self.method), "method is for a model drafter (hybrid); a model-free drafter is chosen by drafter.model"),
         ]
         for ok, message in checks:
             if not ok:

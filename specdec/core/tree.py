@@ -120,24 +120,34 @@ class TreeShape:
     # NGRAM_METHODS (with a drafter model: hybrid drafts; without one: the only drafts)
     ngram: str = ""
 
-    def validate(self, cap: int = MAX_DRAFT_NODES) -> None:
-        """Raises ValueError naming the field that is out of range. No draft has more than
-        `cap` nodes, so a larger width, branching or depth means nothing, and is refused
-        before a builder could spend time on it (a dynamic tree ranks width^2 candidates per
-        depth)."""
+    def __post_init__(self) -> None:
+        """Checked wherever a shape is made (a config, a request, a bench's sweep): raises
+        ValueError naming the field that is out of range."""
         if self.method not in TREE_METHODS:
-            raise ValueError(f"tree method must be one of {', '.join(TREE_METHODS)}, got '{self.method}'")
-        if not 1 <= len(self.branching) <= cap or any(not 1 <= b <= cap for b in self.branching):
+            raise ValueError(f"method must be one of {', '.join(TREE_METHODS)}, got '{self.method}'")
+        if not self.branching or any(b < 1 for b in self.branching):
+            raise ValueError(f"branching must list integers >= 1, got {self.branching[:8]}{'...' if len(self.branching) > 8 else ''}")
+        if self.width < 1:
+            raise ValueError(f"width must be >= 1, got {self.width}")
+        if self.max_depth < 0:
+            raise ValueError(f"max_depth must be >= 0 (0 = up to the budget), got {self.max_depth}")
+        if self.ngram not in ("", "none", *NGRAM_METHODS):
+            raise ValueError(f"ngram must be '', none, {' or '.join(NGRAM_METHODS)}, got '{self.ngram}'")
+
+    def check_limit(self, cap: int) -> None:
+        """Raises ValueError when the shape asks for more than a draft of at most `cap` nodes
+        (limits.max_draft_tokens) can hold: a larger width, branching or depth means nothing,
+        and is refused before a builder could spend time on it (a dynamic tree ranks width^2
+        candidates per depth)."""
+        if len(self.branching) > cap or max(self.branching) > cap:
             raise ValueError(
-                f"tree branching must list 1 to {cap} integers in [1, {cap}], "
+                f"branching must list 1 to {cap} integers in [1, {cap}], "
                 f"got {self.branching[:8]}{'...' if len(self.branching) > 8 else ''}"
             )
-        if not 1 <= self.width <= cap:
-            raise ValueError(f"tree width must be in [1, {cap}], got {self.width}")
-        if not 0 <= self.max_depth <= cap:
-            raise ValueError(f"tree max_depth must be in [0, {cap}] (0 = up to the budget), got {self.max_depth}")
-        if self.ngram not in ("", "none", *NGRAM_METHODS):
-            raise ValueError(f"tree ngram must be '', none, {' or '.join(NGRAM_METHODS)}, got '{self.ngram}'")
+        if self.width > cap:
+            raise ValueError(f"width must be in [1, {cap}], got {self.width}")
+        if self.max_depth > cap:
+            raise ValueError(f"max_depth must be in [0, {cap}] (0 = up to the budget), got {self.max_depth}")
 
 
 def _validate_proposal(node: int, proposal: Proposal, vocab_size: int) -> None:

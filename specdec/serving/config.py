@@ -397,14 +397,12 @@ class Config:
                 "coordinator.network.verifier emulates a link to a verifier that coordinator.verifier_in_process runs "
                 "in the coordinator's own process: set one of them"
             )
+        if self.drafter.ngram.method and is_model_free(drafter):
+            raise ConfigError("drafter.ngram.method is for a model drafter (hybrid); a model-free drafter is chosen by drafter.model")
         try:
-            self.drafter.ngram.validate(model_free=is_model_free(self.drafter.model.source))
+            self.coordinator.tree.check_limit(limits.max_draft_tokens)
         except ValueError as err:
-            raise ConfigError(f"drafter.ngram.{err}") from None
-        try:
-            self.coordinator.tree.validate(limits.max_draft_tokens)
-        except ValueError as err:
-            raise ConfigError(f"coordinator.{err}") from None
+            raise ConfigError(f"coordinator.tree: {err}") from None
 
 
 def _check_autoscaling(name: str, settings: dict) -> None:
