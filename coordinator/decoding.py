@@ -213,23 +213,17 @@ def decode_rounds(
     true, the next round starts without waiting for the drafter. A draft whose nodes carry
     confidences is cut to the nodes worth their verify cost (`costs`, measured every round)."""
     rounds = _Rounds(session, shape, meter, costs, overlap)
-    generated, deferred = 0, None  # deferred: a plan that waits one round for the verifier's features
+    generated = 0
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
-        plan, deferred = deferred or policy.choose(), None
-        drafted, plan = rounds.draft(plan, remaining)
+        drafted, plan = rounds.draft(rounds.plan(policy), remaining)
         if drafted is not None and drafted.draft.tree.token_ids:
             report, verdict, verify_call = rounds.verify_draft(plan, drafted)
-            features = False
         else:  # the verifier alone: by plan, with nothing drafted, or without a drafter
-            # A feature head drafts from the features of every committed position: one verifier
-            # token brings them, and the plan runs next round.
-            features = bool(plan.budget) and not session.can_draft and rounds.standby.ready()
             # Nothing to propose (an n-gram drafter without a match): ask again after a token.
-            fused = 1 if features or drafted is not None else min(fused_block, remaining)
-            deferred = plan if features else None
-            drafted, (report, verdict, verify_call) = None, rounds.verify_alone(fused, features)
-        rounds.account(policy, report, drafted, verify_call, features)
+            fused = 1 if drafted is not None else min(fused_block, remaining)
+            drafted, (report, verdict, verify_call) = None, rounds.verify_alone(plan, fused)
+        rounds.account(policy, report, drafted, verify_call)
         generated += len(verdict.token_ids)
         yield list(verdict.token_ids)
 
@@ -243,17 +237,29 @@ class _Drafted:
     exposed_wire_ms: float
 
 
+@dataclass
+class _Carried:
+    """What a round leaves to the next, by the concern that keeps it."""
+
+    began: float  # timing: the round's start, the last one's end (what the caller does between rounds counts)
+    ahead: tuple[object, object, Plan] | None = None  # overlap: a draft made for the next round, its call and plan
+    deferred: Plan | None = None  # feature deferral: a plan that waits one round for the verifier's features
+    folded: bool = False  # feature deferral: the last round only fetched features; its time is part of this one's
+
+
 class _Rounds:
-    """What carries from round to round: an overlapped draft made for the next round (`ahead`),
-    the drafter's standby after failures, and the time the round began (the last one's end,
-    so what the caller does between rounds counts)."""
+    """One round's steps (plan, draft, verify, account) over the state rounds carry
+    (`carried`) and the drafter's standby after failures."""
 
     def __init__(self, session: PairSession, shape: TreeShape, meter: Meter, costs: VerifyCosts, overlap: ThreadPoolExecutor | None):
         self.session, self.shape, self.meter, self.costs, self.overlap = session, shape, meter, costs, overlap
         self.standby = DrafterStandby(meter)
-        self.ahead: tuple[object, object, Plan] | None = None  # an overlapped draft and its call, with the plan it was made for
-        self.began = time.perf_counter()
-        self.folded = False  # the last round fetched features, and its time is part of this one's
+        self.carried = _Carried(began=time.perf_counter())
+
+    def plan(self, policy: RoundPolicy) -> Plan:
+        """The plan a round that fetched features deferred, else the policy's choice."""
+        plan, self.carried.deferred = self.carried.deferred or policy.choose(), None
+        return plan
 
     def draft(self, plan: Plan, remaining: int) -> tuple[_Drafted | None, Plan]:
         """This round's draft (None: the plan drafts none, or the drafter cannot now) and its
@@ -265,8 +271,8 @@ class _Rounds:
         # its budget deep) unless the tokens left cap it.
         round_depth = 0 if not self.shape.max_depth and plan.budget <= remaining - 1 else depth
         shape = replace(self.shape, method=plan.method, max_depth=round_depth, ngram=plan.ngram or self.shape.ngram)
-        if self.ahead is not None:  # its guess came true: this round's draft is ready
-            (draft, call, plan), self.ahead = self.ahead, None
+        if self.carried.ahead is not None:  # its guess came true: this round's draft is ready
+            (draft, call, plan), self.carried.ahead = self.carried.ahead, None
             drafted = _Drafted(draft, call, shape, 0.0, 0.0)
             self.meter.overlap_hits += 1
         else:
@@ -279,10 +285,14 @@ class _Rounds:
             drafted.draft = _worth_verifying(drafted.draft, self.costs)
         return drafted, plan
 
-    def verify_alone(self, fused: int, features: bool):
-        """`fused` tokens from the verifier alone (and, with `features`, the features of the
-        positions they commit); (report, verdict, call)."""
-        self.ahead = None
+    def verify_alone(self, plan: Plan, fused: int):
+        """`fused` tokens from the verifier alone; (report, verdict, call). A feature head
+        drafts from the features of every committed position: where the plan drafts and they
+        are missing, one verifier token brings them, and the plan runs next round."""
+        self.carried.ahead = None
+        features = bool(plan.budget) and not self.session.can_draft and self.standby.ready()
+        if features:
+            fused, self.carried.deferred = 1, plan
         verdict, call = self.session.verify(None, fused_tokens=fused, features=features)
         report = RoundReport(
             plan=Plan(0), accepted=0, depth=0, verified_tokens=len(verdict.token_ids), draft_ms=0.0, verify_ms=call.compute_ms,
@@ -309,7 +319,7 @@ class _Rounds:
             if next_draft is not None:
                 meter.add_call(next_call, is_draft=True)
                 hit = list(next_draft.assumed_token_ids) == list(verdict.token_ids)
-                self.ahead = (next_draft, next_call, plan) if hit else None
+                self.carried.ahead = (next_draft, next_call, plan) if hit else None
         nodes = len(structure)
         report = RoundReport(
             plan=plan, accepted=verdict.num_accepted_draft_tokens, depth=max(structure.depths(), default=0), verified_tokens=1 + nodes,
@@ -325,19 +335,20 @@ class _Rounds:
         meter.drafted += nodes
         return report, verdict, call
 
-    def account(self, policy: RoundPolicy, report: RoundReport, drafted: _Drafted | None, verify_call, features: bool) -> None:
+    def account(self, policy: RoundPolicy, report: RoundReport, drafted: _Drafted | None, verify_call) -> None:
         """The round's wall time, told to the policy and the anatomy. A round that fetched
         features is part of the cost of the plan that needed them, next round (but not one that
         read the prompt: a request's first round is no plan's cost)."""
-        ended = time.perf_counter()
-        report.wall_ms = (ended - self.began) * 1e3
-        if not features or report.opened:
-            self.began = ended
+        carried, ended = self.carried, time.perf_counter()
+        fetched_features = carried.deferred is not None
+        report.wall_ms = (ended - carried.began) * 1e3
+        if not fetched_features or report.opened:
+            carried.began = ended
             policy.observe(report)
-            if not (report.opened or self.folded):  # the anatomy counts rounds that are only themselves
+            if not (report.opened or carried.folded):  # the anatomy counts rounds that are only themselves
                 anatomy = self.meter.verifier_alone_anatomy if drafted is None else self.meter.speculative_anatomy
                 anatomy.add(report, None if drafted is None else drafted.call, verify_call)
-        self.folded = features and not report.opened  # this round's time goes into the next one's
+        carried.folded = fetched_features and not report.opened  # this round's time goes into the next one's
         self.meter.add_call(verify_call, is_draft=False)
         self.meter.add_plan(report.plan)
 
