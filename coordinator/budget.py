@@ -18,7 +18,7 @@ All inputs are exponential moving averages of what the rounds measured:
 - T_pass by the rows of a pass (all sessions' tokens fed), piecewise linear over what was
   measured, learned from the verifier alone's rounds: their passes hold one row per session;
   a fused block costs `block` passes. X(b), what a plan's verify call costs per session beyond
-  such a pass (its tree's rows, the features it brings back), learned from its own rounds at
+  such a pass (its tree's rows, the verifier state it brings back), learned from its own rounds at
   the load they ran at. (Tree rounds fed into T_pass instead priced a pass of 3 sessions like
   a 3-row tree with its features, half again a one-row pass: as a burst arrived, its first
   requests chose a one-token chain and paid for opening their drafter sessions under the

@@ -41,7 +41,7 @@ class ServiceCall:
     cost: CallCost
     steering_ms: float = 0.0  # of compute_ms, the service's steering work
     steering_bytes: int = 0  # steering vector bytes this call carried
-    feature_bytes: int = 0  # verifier feature bytes this call carried
+    verifier_state_bytes: int = 0  # verifier state (for the drafter) bytes this call carried
     forward_passes: int = 0  # drafter model forwards this call ran
     own_tokens_drafted: int = 0  # a drafter of another tokenizer: DraftResponse's counters
     reencode_rollbacks: int = 0
@@ -193,6 +193,40 @@ def _rendezvous(session_id: str, key: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{session_id}|{key}".encode(), digest_size=8).digest(), "big")
 
 
+class VerifierStateLog:
+    """The verifier state of positions [0, positions) for a drafter that reads it, kept unread
+    by position as the verifier sent it (records of one size), and how many positions of it the
+    drafter holds. A re-opened verifier sends it again from where it restarted; the drafter is
+    then sent it again too."""
+
+    def __init__(self):
+        self.records = bytearray()
+        self.record_bytes = 0
+        self.positions = 0
+        self.drafter_holds = 0
+
+    def add(self, state: common_pb2.VerifierState) -> None:
+        size = len(state.records) // state.positions if state.positions else self.record_bytes
+        if state.start > self.positions or size * state.positions != len(state.records) or self.record_bytes not in (0, size):
+            raise RuntimeError(
+                f"the verifier sent malformed verifier state (start {state.start}, {state.positions} positions, "
+                f"{len(state.records)} bytes; {self.positions} positions of {self.record_bytes} bytes held)"
+            )
+        self.record_bytes = size
+        del self.records[state.start * size :]
+        self.records += state.records
+        self.positions = state.start + state.positions
+        self.drafter_holds = min(self.drafter_holds, state.start)
+
+    def unsent(self, first: int, upto: int) -> common_pb2.VerifierState | None:
+        """The state of positions [first, upto), or None when there is none."""
+        if upto <= first:
+            return None
+        return common_pb2.VerifierState(
+            start=first, positions=upto - first, records=bytes(self.records[first * self.record_bytes : upto * self.record_bytes])
+        )
+
+
 class ServicePair:
     def __init__(self, drafter: Replicas, verifier: Replicas, timeout_s: float = 120.0):
         """The drafter's and the verifier's replicas (the drafter's may be one in this process)."""
@@ -209,13 +243,14 @@ class ServicePair:
                 "set drafter.tokenizer: own in the config to draft across tokenizers (the drafter maps its drafts through text)"
             )
         drafter, verifier = self.drafter_info, self.verifier_info
-        # A feature head drafts from the verifier's features alone: without them it cannot draft.
-        self.features = drafter.feature_size > 0
-        if self.features and (drafter.feature_size, drafter.feature_fingerprint) != (verifier.feature_size, verifier.feature_fingerprint):
+        # A drafter that reads verifier state (a feature head: the verifier's features) cannot
+        # draft without it; the coordinator only carries it.
+        self.verifier_state = bool(drafter.verifier_state)
+        if self.verifier_state and drafter.verifier_state != verifier.verifier_state:
             raise PairMismatch(
-                f"the drafter '{drafter.model}' is a feature head, but the verifier "
-                + ("loaded no feature head checkpoint" if not verifier.feature_size else "loaded another feature head checkpoint")
-                + "; start it with the drafter's directory as its feature_checkpoint (the config does this when the drafter is one)"
+                f"the drafter '{drafter.model}' reads verifier state '{drafter.verifier_state}', but the verifier "
+                + (f"fills '{verifier.verifier_state}'" if verifier.verifier_state else "fills none")
+                + "; start the verifier with the checkpoint the drafter's state comes from (for a feature head the config does so)"
             )
 
     def steering_problem(self) -> str | None:
@@ -259,7 +294,7 @@ class PairSession:
 
     def __init__(
         self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int], steering: bool = False,
-        features: bool = False, deadline: float | None = None,
+        verifier_state: bool = False, deadline: float | None = None,
     ):
         self.pair = pair
         self.deadline = deadline  # time.monotonic() by which the request must be answered; None = none
@@ -269,11 +304,8 @@ class PairSession:
         self.prompt_length = len(context)
         self.steering = steering
         self.steering_vector: common_pb2.Tensor | None = None  # the verifier's latest, for the next draft
-        # Feature head: the verifier's features of positions [0, count), float16 rows, and how
-        # many of them the drafter holds.
-        self.features = features
-        self._feature_rows = bytearray()
-        self._feature_count = self._drafter_features = 0
+        self.verifier_state = verifier_state
+        self._state_log = VerifierStateLog()
         self._drafter_seen: int | None = None  # context length the drafter has; None = not open
         self._drafter_round = 0
         self._verifier_round = 0
@@ -292,8 +324,8 @@ class PairSession:
         of `pick_excludes`), while a verify call is in flight."""
         context = self.context[:context_length]
         steering = self.steering_vector  # the first round, before any vector exists, is unsteered
-        feature_count = self._feature_count  # a verify call in flight may add more meanwhile
-        sent_features = sent_round = 0
+        state_positions = self._state_log.positions  # a verify call in flight may add more meanwhile
+        sent_state = sent_round = 0
 
         def request(reopen: bool) -> drafter_pb2.DraftRequest:
             nonlocal sent_round
@@ -314,56 +346,50 @@ class PairSession:
                 message.verifier_tokenizer_fingerprint = self.pair.verifier_info.tokenizer_fingerprint
             else:
                 message.new_token_ids.extend(context[self._drafter_seen :])
-            if self.features:
-                nonlocal sent_features
-                first = 0 if reopen else self._drafter_features
-                if feature_count > first:
-                    width = self.pair.verifier_info.feature_size
-                    message.features_start = first
-                    message.features.CopyFrom(
-                        common_pb2.Tensor(
-                            shape=[feature_count - first, width], dtype="float16",
-                            data=bytes(self._feature_rows[first * width * 2 : feature_count * width * 2]),
-                        )
-                    )
-                sent_features = len(message.features.data)
+            if self.verifier_state:
+                nonlocal sent_state
+                unsent = self._state_log.unsent(0 if reopen else self._state_log.drafter_holds, state_positions)
+                if unsent is not None:
+                    message.verifier_state.CopyFrom(unsent)
+                sent_state = len(message.verifier_state.records)
             return message
 
         reply, call = self._call(
             self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None, self.DRAFT_RETRIES
         )
         self._drafter_seen, self._drafter_round = len(context), sent_round
-        self._drafter_features = max(self._drafter_features, feature_count)
+        self._state_log.drafter_holds = max(self._state_log.drafter_holds, state_positions)
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
-        call.feature_bytes, call.forward_passes = sent_features, reply.forward_passes
+        call.verifier_state_bytes, call.forward_passes = sent_state, reply.forward_passes
         call.own_tokens_drafted, call.reencode_rollbacks = reply.own_tokens_drafted, reply.reencode_rollbacks
         call.mapping_ms = reply.mapping_ms
         return reply, call
 
     @property
     def can_draft(self) -> bool:
-        """A feature head drafts after the verifier's features of every committed position but
-        the last (a verify call that asks for them brings them up to date)."""
-        return not self.features or self._feature_count >= len(self.context) - 1
+        """A drafter that reads verifier state drafts after that of every committed position but
+        the last (a verify call that asks for it brings it up to date)."""
+        return not self.verifier_state or self._state_log.positions >= len(self.context) - 1
 
     def verify(
-        self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0, features: bool = False
+        self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0, verifier_state: bool = False
     ) -> tuple[verifier_pb2.VerifyResponse, ServiceCall]:
-        """One round on the verifier. `features`: bring the verifier's features up to date (a
-        feature-head session's verifier keeps them; a round whose next one will not draft
+        """One round on the verifier. `verifier_state`: bring the drafter's verifier state up to
+        date (the verifier keeps it for such a session; a round whose next one will not draft
         needs none)."""
         def request(reopen: bool) -> verifier_pb2.VerifyRequest:
             if reopen:
                 self._verifier_round = 0
             message = verifier_pb2.VerifyRequest(
                 session_id=self.session_id, round=self._verifier_round + 1, fused_tokens=fused_tokens, steering=self.steering,
-                features=self.features and features,
+                verifier_state=self.verifier_state and verifier_state,
             )
             if tree is not None:
                 message.tree.CopyFrom(tree)
             if reopen:
                 message.start.CopyFrom(common_pb2.SessionStart(
-                    context_token_ids=self.context, sampling=self.sampling, prompt_length=self.prompt_length, keep_features=self.features,
+                    context_token_ids=self.context, sampling=self.sampling, prompt_length=self.prompt_length,
+                    keep_verifier_state=self.verifier_state,
                 ))
             return message
 
@@ -376,21 +402,10 @@ class PairSession:
         if reply.HasField("steering"):
             self.steering_vector = reply.steering
             call.steering_ms, call.steering_bytes = reply.steering_ms, len(reply.steering.data)
-        if reply.HasField("features"):
-            self._add_features(reply.features_start, reply.features)
-            call.feature_bytes = len(reply.features.data)
+        if reply.HasField("verifier_state"):
+            self._state_log.add(reply.verifier_state)
+            call.verifier_state_bytes = len(reply.verifier_state.records)
         return reply, call
-
-    def _add_features(self, start: int, tensor: common_pb2.Tensor) -> None:
-        """Keeps the verifier's feature rows by position. A re-opened verifier sends them again
-        from where it restarted; the drafter is then sent them again too."""
-        row_bytes = self.pair.verifier_info.feature_size * 2
-        if tensor.dtype != "float16" or start > self._feature_count or len(tensor.data) != tensor.shape[0] * row_bytes:
-            raise RuntimeError(f"the verifier sent malformed features (start {start}, shape {list(tensor.shape)}, {tensor.dtype})")
-        del self._feature_rows[start * row_bytes :]
-        self._feature_rows += tensor.data
-        self._feature_count = start + tensor.shape[0]
-        self._drafter_features = min(self._drafter_features, start)
 
     def close(self) -> None:
         """Frees the session on both sides without waiting for the answers; no call opens it

@@ -84,7 +84,7 @@ class Meter:
     bytes_received: int = 0
     budget_total: int = 0
     steering_bytes: int = 0
-    feature_bytes: int = 0
+    verifier_state_bytes: int = 0
     draft_steering_ms: float = 0.0
     verify_steering_ms: float = 0.0
     overlap_hits: int = 0
@@ -112,7 +112,7 @@ class Meter:
             self.verify_wire_ms += call.overhead_ms
             self.verify_steering_ms += call.steering_ms
         self.steering_bytes += call.steering_bytes
-        self.feature_bytes += call.feature_bytes
+        self.verifier_state_bytes += call.verifier_state_bytes
         self.draft_forward_passes += call.forward_passes
         self.serialization_ms += call.cost.serialize_ms + call.cost.deserialize_ms
         self.bytes_sent += call.cost.bytes_sent
@@ -124,7 +124,7 @@ class Meter:
         self.budget_total += plan.budget
 
     def stats(
-        self, policy: str, overlap: bool, steering: bool, budget: int, tree_method: str, generated: int, features: bool = False
+        self, policy: str, overlap: bool, steering: bool, budget: int, tree_method: str, generated: int, verifier_state: bool = False
     ) -> coordinator_pb2.RoundStats:
         total_ms = (time.perf_counter() - self.started) * 1e3
         return coordinator_pb2.RoundStats(
@@ -155,8 +155,8 @@ class Meter:
             steering_bytes=self.steering_bytes,
             verify_steering_ms=self.verify_steering_ms,
             draft_steering_ms=self.draft_steering_ms,
-            features=features,
-            feature_bytes=self.feature_bytes,
+            verifier_state=verifier_state,
+            verifier_state_bytes=self.verifier_state_bytes,
             drafter_failures=self.drafter_failures,
             draft_forward_passes=self.draft_forward_passes,
             draft_own_tokens=self.draft_own_tokens,
@@ -243,8 +243,8 @@ class _Carried:
 
     began: float  # timing: the round's start, the last one's end (what the caller does between rounds counts)
     ahead: tuple[object, object, Plan] | None = None  # overlap: a draft made for the next round, its call and plan
-    deferred: Plan | None = None  # feature deferral: a plan that waits one round for the verifier's features
-    folded: bool = False  # feature deferral: the last round only fetched features; its time is part of this one's
+    deferred: Plan | None = None  # state deferral: a plan that waits one round for the drafter's verifier state
+    folded: bool = False  # state deferral: the last round only fetched verifier state; its time is part of this one's
 
 
 class _Rounds:
@@ -257,7 +257,7 @@ class _Rounds:
         self.carried = _Carried(began=time.perf_counter())
 
     def plan(self, policy: RoundPolicy) -> Plan:
-        """The plan a round that fetched features deferred, else the policy's choice."""
+        """The plan a round that fetched verifier state deferred, else the policy's choice."""
         plan, self.carried.deferred = self.carried.deferred or policy.choose(), None
         return plan
 
@@ -286,14 +286,14 @@ class _Rounds:
         return drafted, plan
 
     def verify_alone(self, plan: Plan, fused: int):
-        """`fused` tokens from the verifier alone; (report, verdict, call). A feature head
-        drafts from the features of every committed position: where the plan drafts and they
-        are missing, one verifier token brings them, and the plan runs next round."""
+        """`fused` tokens from the verifier alone; (report, verdict, call). A drafter that reads
+        verifier state (a feature head) drafts after that of every committed position: where the
+        plan drafts and it is missing, one verifier token brings it, and the plan runs next round."""
         self.carried.ahead = None
-        features = bool(plan.budget) and not self.session.can_draft and self.standby.ready()
-        if features:
+        fetch = bool(plan.budget) and not self.session.can_draft and self.standby.ready()
+        if fetch:
             fused, self.carried.deferred = 1, plan
-        verdict, call = self.session.verify(None, fused_tokens=fused, features=features)
+        verdict, call = self.session.verify(None, fused_tokens=fused, verifier_state=fetch)
         report = RoundReport(
             plan=Plan(0), accepted=0, depth=0, verified_tokens=len(verdict.token_ids), draft_ms=0.0, verify_ms=call.compute_ms,
             draft_wire_ms=0.0, verify_wire_ms=call.overhead_ms, opened=call.opened,
@@ -309,7 +309,7 @@ class _Rounds:
         session, meter, tree = self.session, self.meter, drafted.draft.tree
         structure = DraftTree(list(tree.token_ids), list(tree.parent))  # parents only: no proposals needed here
         if self.overlap is None:
-            verdict, call = session.verify(tree, features=True)
+            verdict, call = session.verify(tree, verifier_state=True)
         else:
             context_length = len(session.context)
             verifying = self.overlap.submit(session.verify, tree, 0, True)
@@ -337,18 +337,18 @@ class _Rounds:
 
     def account(self, policy: RoundPolicy, report: RoundReport, drafted: _Drafted | None, verify_call) -> None:
         """The round's wall time, told to the policy and the anatomy. A round that fetched
-        features is part of the cost of the plan that needed them, next round (but not one that
-        read the prompt: a request's first round is no plan's cost)."""
+        verifier state is part of the cost of the plan that needed it, next round (but not one
+        that read the prompt: a request's first round is no plan's cost)."""
         carried, ended = self.carried, time.perf_counter()
-        fetched_features = carried.deferred is not None
+        fetched_state = carried.deferred is not None
         report.wall_ms = (ended - carried.began) * 1e3
-        if not fetched_features or report.opened:
+        if not fetched_state or report.opened:
             carried.began = ended
             policy.observe(report)
             if not (report.opened or carried.folded):  # the anatomy counts rounds that are only themselves
                 anatomy = self.meter.verifier_alone_anatomy if drafted is None else self.meter.speculative_anatomy
                 anatomy.add(report, None if drafted is None else drafted.call, verify_call)
-        carried.folded = fetched_features and not report.opened  # this round's time goes into the next one's
+        carried.folded = fetched_state and not report.opened  # this round's time goes into the next one's
         self.meter.add_call(verify_call, is_draft=False)
         self.meter.add_plan(report.plan)
 

@@ -32,7 +32,9 @@ class RequestMetrics:
         self.bytes = metrics.Counter("specdec_bytes", "bytes on the service links, by direction (sent, received)", tag_keys=("direction",))
         self.steering_bytes = metrics.Counter("specdec_steering_bytes", "SD2 steering vector bytes (verifier -> coordinator -> drafter)")
         self.steering_ms = metrics.Counter("specdec_steering_ms", "SD2 steering compute inside the services", tag_keys=("service",))
-        self.feature_bytes = metrics.Counter("specdec_feature_bytes", "verifier feature bytes (verifier -> coordinator -> drafter)")
+        self.verifier_state_bytes = metrics.Counter(
+            "specdec_verifier_state_bytes", "verifier state bytes for the drafter (verifier -> coordinator -> drafter)"
+        )
         self.drafter_failures = metrics.Counter(
             "specdec_drafter_failures", "failed Draft calls (the request went on with the verifier alone)"
         )
@@ -65,7 +67,7 @@ class RequestMetrics:
             (self.steering_bytes, stats.steering_bytes, None),
             (self.steering_ms, stats.verify_steering_ms, {"service": "verifier"}),
             (self.steering_ms, stats.draft_steering_ms, {"service": "drafter"}),
-            (self.feature_bytes, stats.feature_bytes, None),
+            (self.verifier_state_bytes, stats.verifier_state_bytes, None),
             (self.drafter_failures, stats.drafter_failures, None),
             (self.session_reopens, stats.session_reopens, None),
             (self.num_drafts, stats.speculative_rounds, None),

@@ -205,8 +205,8 @@ class Coordinator:
             top_k=request.top_k,
             seed=request.seed,
         )
-        features = self.pair.features and (adaptive or budget > 0)
-        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, settings.steering, features, deadline)
+        verifier_state = self.pair.verifier_state and (adaptive or budget > 0)
+        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, settings.steering, verifier_state, deadline)
         if on_end is not None:
             on_end(session.close)
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
@@ -229,7 +229,8 @@ class Coordinator:
             session.close()
         tokens, text = output.take_delta()
         stats = meter.stats(
-            "adaptive" if adaptive else "fixed", overlap, settings.steering, budget, settings.tree.method, len(output.token_ids), features
+            "adaptive" if adaptive else "fixed", overlap, settings.steering, budget, settings.tree.method, len(output.token_ids),
+            verifier_state,
         )
         stats.drafter_replica, stats.verifier_replica = session.replica("drafter"), session.replica("verifier")
         stats.replica_moves, stats.session_reopens = session.replica_moves, session.reopens

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import torch
 
-from drafter_service.drafting import Draft, Drafter, DrafterSession, ScoredTree
+from drafter_service.drafting import Draft, Drafter, DrafterSession, ScoredTree, VerifierState
 from specdec.core.batching import run_alone
 from specdec.core.ngram import NgramIndex, NgramProposer
 from specdec.core.sampling import Sampling
@@ -76,7 +76,7 @@ class DraftingSessions:
         shape: TreeShape,
         assumed: list[int] = (),
         steering: torch.Tensor | None = None,
-        features: tuple[int, torch.Tensor] | None = None,
+        verifier_state: VerifierState | None = None,
         pick_excludes: list[int] = (),
         round_number: int = 0,
     ) -> Generator[Any, Any, Draft]:
@@ -84,8 +84,8 @@ class DraftingSessions:
         a tree of at most num_tokens nodes after the context. With `assumed` tokens (overlapped
         drafting) the tree is drafted after the context plus those tokens plus the drafter's own
         pick of the next one (its likeliest outside `pick_excludes`), all uncommitted. A steering
-        vector steers every token this call feeds; `features` (first position, rows) are the
-        verifier's, for a drafter that reads them. A call repeating the session's last
+        vector steers every token this call feeds; `verifier_state` is the verifier's, for a
+        drafter that reads it. A call repeating the session's last
         `round_number` (a retry after a lost answer) gets that round's draft again and commits
         nothing twice; 0 = unnumbered."""
         cap, info = self.limits.max_draft_tokens, self.info
@@ -113,8 +113,8 @@ class DraftingSessions:
             if committed_length + len(assumed) + 1 + num_tokens > info.max_context:
                 raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, f"drafting would exceed the model's context of {info.max_context}")
             check_kv_room(committed_length + len(assumed) + 1 + num_tokens, info.kv_bytes_per_token, self.limits)
-            if features is not None:
-                self.drafter.take_features(session, *features)
+            if verifier_state is not None:
+                self.drafter.take_verifier_state(session, verifier_state)
             self._commit(session, new_tokens)
             start, before = time.perf_counter(), _counters(session)
             context = session.tokens + list(assumed)

@@ -67,6 +67,16 @@ class DrafterSession:
     last_draft: Draft | None = None
 
 
+@dataclass(frozen=True)
+class VerifierState:
+    """Verifier state of positions start, start + 1, ...: `positions` records of equal size, as
+    the verifier filled them (common.proto VerifierState); what they hold is the drafter's own."""
+
+    start: int
+    positions: int
+    records: bytes
+
+
 @dataclass
 class DrafterInfo:
     """What a drafter reports (ModelInfo) and what the service checks requests against."""
@@ -79,8 +89,7 @@ class DrafterInfo:
     kv_bytes_per_token: int = 0
     steering_size: int = 0  # SD²: the steering vector it reads; 0 = none
     steering_fingerprint: str = ""
-    feature_size: int = 0  # a feature head: the verifier feature it reads; 0 = none
-    feature_fingerprint: str = ""
+    verifier_state: str = ""  # the verifier state it reads (common.proto VerifierState); "" = none
 
 
 class Drafter(ABC):
@@ -103,9 +112,9 @@ class Drafter(ABC):
     def end_round(self, session: DrafterSession) -> None:
         """The round is over, drafted or failed."""
 
-    def take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
-        """The verifier's features of positions start.. (a feature head reads them)."""
-        raise RequestError("features were sent, but this drafter does not read verifier features (it is not a feature head)")
+    def take_verifier_state(self, session: DrafterSession, state: VerifierState) -> None:
+        """The verifier state this drafter reads (info.verifier_state), as the verifier sent it."""
+        raise RequestError("verifier_state was sent, but this drafter reads none")
 
     @abstractmethod
     def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
@@ -147,8 +156,8 @@ class WrappedDrafter(Drafter):
     def end_round(self, session: DrafterSession) -> None:
         self.inner.end_round(session)
 
-    def take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
-        self.inner.take_features(session, start, rows)
+    def take_verifier_state(self, session: DrafterSession, state: VerifierState) -> None:
+        self.inner.take_verifier_state(session, state)
 
     def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
         return (yield from self.inner.pick(session, context, shape, excludes))

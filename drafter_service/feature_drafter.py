@@ -12,16 +12,13 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_service.distributions import likeliest, next_tokens
-from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree
+from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree, VerifierState
 from drafter_service.tree_builders import builder_for
 from specdec.core.batching import Job
 from specdec.core.engine import RotaryTable
-from specdec.core.errors import StaleSession
+from specdec.core.errors import RequestError, StaleSession
 from specdec.core.int8 import fused_linear, native_layer, quantize_linears
-from specdec.core.feature_head import (
-    feature_fingerprint,
-    load_feature_head,
-)
+from specdec.core.feature_head import FeatureHeadError, features_from_state, load_feature_head, state_name
 from specdec.core.kv_cache import KVCache
 from specdec.core.models import ModelSpec, eos_token_ids, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.core.sampling import Sampling
@@ -70,7 +67,7 @@ class FeatureDrafter(Drafter):
         self.feature_size = self.head.hidden_size
         self.info = DrafterInfo(
             self.head, len(tokenizer), tokenizer_fingerprint(tokenizer), eos_token_ids(base, tokenizer), max_context(base),
-            self._new_cache().bytes_per_token, feature_size=self.feature_size, feature_fingerprint=feature_fingerprint(spec.source),
+            self._new_cache().bytes_per_token, verifier_state=state_name(spec.source),
         )
 
     def new_state(self, context: list[int], sampling: Sampling) -> FeatureState:
@@ -83,11 +80,17 @@ class FeatureDrafter(Drafter):
         layer = self.head.layer
         return KVCache(1, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu", transposed_keys=self.native_layer is not None)
 
-    def take_features(self, session: DrafterSession, start: int, rows: torch.Tensor) -> None:
-        state = session.state
+    def take_verifier_state(self, session: DrafterSession, verifier_state: VerifierState) -> None:
+        """The verifier's features of positions start, start + 1, ..."""
+        try:
+            rows = features_from_state(verifier_state.positions, verifier_state.records, self.feature_size)
+        except FeatureHeadError as err:
+            raise RequestError(str(err)) from None
+        state, start = session.state, verifier_state.start
         if start > state.num_features:
             raise StaleSession(
-                f"features_start {start} leaves a gap: this session holds the features of positions [0, {state.num_features}); re-open it",
+                f"verifier_state.start {start} leaves a gap: this session holds the features of positions [0, {state.num_features}); "
+                "re-open it",
             )
         end = start + len(rows)
         if state.features is None or state.features.shape[0] < end:

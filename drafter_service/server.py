@@ -6,11 +6,12 @@ import time
 import grpc
 
 from drafter_service.drafter import DraftingSessions
+from drafter_service.drafting import VerifierState
 from drafter_service.selection import drafter_for
 from specdec.core.batching import Batcher
 from specdec.core.batching import ComputeThread
 from specdec.core.models import set_torch_threads
-from specdec.core.steering import SteeringError, rows_from_tensor, vector_from_tensor
+from specdec.core.steering import SteeringError, vector_from_tensor
 from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import (
     InProcessClient,
@@ -65,19 +66,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 steering = vector_from_tensor(request.steering, self.engine.info.steering_size)
             except SteeringError as err:
                 raise invalid(str(err)) from None
-        features = None
-        if request.HasField("features"):
-            if not self.engine.info.feature_size:
-                raise invalid("features were sent, but this drafter does not read verifier features (it is not a feature head)")
-            try:
-                features = request.features_start, rows_from_tensor(request.features, self.engine.info.feature_size)
-            except SteeringError as err:
-                raise invalid(str(err)) from None
+        verifier_state = None
+        if request.HasField("verifier_state"):
+            if not self.engine.info.verifier_state:
+                raise invalid("verifier_state was sent, but this drafter reads none")
+            sent = request.verifier_state
+            verifier_state = VerifierState(sent.start, sent.positions, sent.records)
         with dropped_on_failure(self.engine.sessions, request.session_id):
             job = self.engine.draft_job(
                 session_id=request.session_id, session=session, new_tokens=list(request.new_token_ids),
                 committed_length=request.committed_length, num_tokens=request.num_draft_tokens, shape=shape,
-                assumed=list(request.assumed_token_ids), steering=steering, features=features,
+                assumed=list(request.assumed_token_ids), steering=steering, verifier_state=verifier_state,
                 pick_excludes=list(request.pick_excludes), round_number=request.round,
             )
             draft = self.batcher.run(job, request.session_id)  # the drafts of sessions that arrive together share forwards

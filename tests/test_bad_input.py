@@ -293,7 +293,9 @@ def test_failures_reach_the_caller_without_internals(caplog):
     )
     # The model-side code's own errors (specdec/core/errors.py) get their status here, at the server.
     assert answer(RequestError("tree.ngram none asks for a model")) == (INVALID, "tree.ngram none asks for a model")
-    assert answer(StaleSession("features_start 9 leaves a gap")) == (grpc.StatusCode.FAILED_PRECONDITION, "features_start 9 leaves a gap")
+    assert answer(StaleSession("verifier_state.start 9 leaves a gap")) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "verifier_state.start 9 leaves a gap"
+    )
 
 
 def test_bearer_tokens_guard_the_client_api_but_not_health(tiny_dirs, tmp_path):

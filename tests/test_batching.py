@@ -7,8 +7,10 @@ import threading
 import pytest
 import torch
 
+from drafter_service.drafting import VerifierState
 from drafter_service.selection import drafter_for
 from specdec.core.batching import Batcher, ComputeThread, Lockstep, run_alone
+from specdec.core.feature_head import features_to_state
 from specdec.core.models import ModelSpec
 from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree, TreeShape
@@ -20,7 +22,7 @@ TREE = DraftTree([4, 6, 8, 10], [-1, -1, 0, 2])
 
 
 def rounds(engine: Verifier, tag: str, sampling: Sampling):
-    """Each prompt's session: a fused round (prefill, 3 tokens with features), then a tree."""
+    """Each prompt's session: a fused round (prefill, 3 tokens), then a tree."""
     sessions = [engine.open_session(f"{tag}{i}", prompt, sampling) for i, prompt in enumerate(PROMPTS)]
     return sessions, [
         lambda s: engine.verify_job(s, 1, DraftTree([], []), 3),
@@ -104,14 +106,14 @@ def lockstep_run(jobs, forward_many) -> tuple[list, int]:
     return values, passes[0]
 
 
-def assert_drafts_batch_exactly(engine, shape: TreeShape, features=lambda committed: None) -> None:
-    """`features(committed)`: what a draft after `committed` tokens is sent (a feature head's)."""
+def assert_drafts_batch_exactly(engine, shape: TreeShape, verifier_state=lambda committed: None) -> None:
+    """`verifier_state(committed)`: what a draft after `committed` tokens is sent (a feature head's)."""
     def jobs(tag: str, round_number: int, sessions):
         new = [] if round_number == 1 else [3, 5]  # the second round commits two tokens first
         return [
             engine.draft_job(
                 session_id=f"{tag}{i}", session=s, new_tokens=new, committed_length=len(p) + len(new), num_tokens=5, shape=shape,
-                features=features(len(p) + len(new)), round_number=round_number,
+                verifier_state=verifier_state(len(p) + len(new)), round_number=round_number,
             )
             for i, (s, p) in enumerate(zip(sessions, PROMPTS))
         ]
@@ -136,5 +138,7 @@ def test_model_drafts_batched_together_are_the_drafts_each_gets_alone(tiny_dirs,
 def test_feature_head_drafts_batched_together_are_the_drafts_each_gets_alone(head_dir, dtype):  # noqa: F811
     engine = drafter_for(ModelSpec(str(head_dir), dtype=dtype))
     assert (engine.drafter.inner.native_layer is not None) == (dtype == "int8")
-    features = lambda committed: (0, torch.randn(committed - 1, 32, generator=torch.Generator().manual_seed(committed)))  # noqa: E731
+    def features(committed: int) -> VerifierState:
+        return VerifierState(**features_to_state(0, torch.randn(committed - 1, 32, generator=torch.Generator().manual_seed(committed))))
+
     assert_drafts_batch_exactly(engine, TreeShape("dynamic", width=2), features)

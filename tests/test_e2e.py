@@ -67,7 +67,7 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
             tokens = [t for p in parts for t in p.token_ids]
             assert tokens == verifier_alone(stub, chat_ids(tokenizer, prompt), 128), prompt
             stats = parts[-1].stats
-            assert stats.rounds > 0 and stats.bytes_sent > 0 and stats.features
+            assert stats.rounds > 0 and stats.bytes_sent > 0 and stats.verifier_state
             assert parts[-1].finish_reason in ("stop", "length")
             if budget is None:
                 # The controller tries every plan once before it chooses, so a fresh stack's
@@ -77,7 +77,7 @@ def test_plain_grpc_client_gets_the_verifiers_greedy_output(ray_stack):
             else:
                 # The default drafter reads the verifier's features, which cross both links every round.
                 assert stats.policy == "fixed" and stats.speculation_budget == budget
-                assert stats.feature_bytes > 0 and stats.speculative_rounds > 0 and stats.accepted_draft_tokens > 0
+                assert stats.verifier_state_bytes > 0 and stats.speculative_rounds > 0 and stats.accepted_draft_tokens > 0
 
 
 @pytest.mark.e2e

@@ -12,9 +12,10 @@ import grpc
 import pytest
 import torch
 
-from coordinator.clients import PairMismatch
+from coordinator.clients import PairMismatch, VerifierStateLog
+from drafter_service.drafting import VerifierState
 from drafter_service.selection import drafter_for
-from specdec.core.feature_head import FeatureHead, load_feature_fuse, save_feature_head
+from specdec.core.feature_head import FeatureHead, features_from_state, features_to_state, load_feature_fuse, save_feature_head
 from specdec.core.models import ModelSpec, hf_greedy, load_model
 from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree, TreeShape
@@ -63,10 +64,10 @@ def test_training_time_test_computes_what_a_live_draft_computes(head_dir):
     drafter = drafter_for(ModelSpec(str(head_dir)))
     head = drafter.drafter.inner.head
     context = [1, 4, 7, 3, 9, 5]
-    features = torch.randn(len(context) + 3, head.hidden_size)
+    features = torch.randn(len(context) + 3, head.hidden_size).half().float()  # as they travel
     session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
     tree = drafter.draft(session_id="s", session=session, new_tokens=[], committed_length=len(context), num_tokens=3,
-                         shape=TreeShape("chain"), features=(0, features[: len(context) - 1])).tree
+                         shape=TreeShape("chain"), verifier_state=VerifierState(**features_to_state(0, features[: len(context) - 1]))).tree
     chain = tree.token_ids
     assert tree.parent == [-1, 0, 1]
     sequence = torch.tensor([context + chain])
@@ -96,14 +97,14 @@ def test_verifier_sends_the_features_of_exactly_the_committed_positions(tiny_dir
     fuse = load_feature_fuse(str(head_dir), plain)
     prompt = [1, 4, 7, 3]
     session = verifier.open_session("s", prompt, Sampling(0.0, 1.0, 0, 0))
-    first = verifier.verify(session, 1, DraftTree([], []), 3, features=True)
-    assert first.features_start == 0 and first.features["shape"] == [len(prompt) + 2, 32]
+    first = verifier.verify(session, 1, DraftTree([], []), 3, verifier_state=True)
+    assert first.verifier_state["start"] == 0 and first.verifier_state["positions"] == len(prompt) + 2
     guess = hf_greedy(plain, session.tokens, 2)
     tree = DraftTree([guess[0], (guess[0] + 1) % 16, guess[1]], [-1, -1, 0])
-    second = verifier.verify(session, 2, tree, 0, features=True)
+    second = verifier.verify(session, 2, tree, 0, verifier_state=True)
     # Pending (the last token of round 1) plus the accepted path (both greedy guesses).
-    assert second.num_accepted == 2 and second.features_start == len(prompt) + 2
-    assert second.features["shape"] == [1 + second.num_accepted, 32]
+    assert second.num_accepted == 2 and second.verifier_state["start"] == len(prompt) + 2
+    assert second.verifier_state["positions"] == 1 + second.num_accepted
     with torch.no_grad():
         hidden = plain(torch.tensor([session.tokens]), output_hidden_states=True).hidden_states
         expected = fuse(tuple(h[0] for h in hidden)).half().float()
@@ -112,21 +113,19 @@ def test_verifier_sends_the_features_of_exactly_the_committed_positions(tiny_dir
     assert len(rows) == len(session.tokens) - 1
 
     # A session that keeps its features sends them only when a round asks, all not sent before.
-    kept = verifier.open_session("k", prompt, Sampling(0.0, 1.0, 0, 0), keep_features=True)
-    assert verifier.verify(kept, 1, DraftTree([], []), 3).features is None
-    assert verifier.verify(kept, 2, tree, 0).features is None  # the same tokens as `session` so far
-    caught_up = verifier.verify(kept, 3, DraftTree([], []), 1, features=True)
-    assert caught_up.features_start == 0 and caught_up.features["shape"] == [len(kept.tokens) - 1, 32]
+    kept = verifier.open_session("k", prompt, Sampling(0.0, 1.0, 0, 0), keep_verifier_state=True)
+    assert verifier.verify(kept, 1, DraftTree([], []), 3).verifier_state is None
+    assert verifier.verify(kept, 2, tree, 0).verifier_state is None  # the same tokens as `session` so far
+    caught_up = verifier.verify(kept, 3, DraftTree([], []), 1, verifier_state=True)
+    assert caught_up.verifier_state["start"] == 0 and caught_up.verifier_state["positions"] == len(kept.tokens) - 1
     # Fused in one batch here and in two above: a float32 product's last bit may differ with
     # the rows fused together, and then its float16 rounding by one step (seen once in a suite run).
     torch.testing.assert_close(_rows(caught_up)[: len(rows)], rows, atol=2e-3, rtol=2e-3)
-    assert verifier.verify(kept, 4, DraftTree([], []), 2, features=True).features_start == len(kept.tokens) - 3
+    assert verifier.verify(kept, 4, DraftTree([], []), 2, verifier_state=True).verifier_state["start"] == len(kept.tokens) - 3
 
 
 def _rows(result) -> torch.Tensor:
-    import numpy as np
-
-    return torch.from_numpy(np.frombuffer(result.features["data"], dtype="<f2").astype("float32")).view(result.features["shape"])
+    return features_from_state(result.verifier_state["positions"], result.verifier_state["records"], 32)
 
 
 def _config(tiny_dirs, head_dir, **coordinator) -> dict:
@@ -167,7 +166,8 @@ def test_greedy_output_equals_the_verifier_alone(feature_stack, tiny_verifier, f
         assert list(reply.token_ids) == hf_greedy(tiny_verifier, prompt, 24)
         # Features travel before drafting rounds only: adaptive rounds that all chose the
         # verifier alone send none.
-        assert reply.stats.features and (reply.stats.feature_bytes > 0 or ("adaptive" in fields and not reply.stats.speculative_rounds))
+        stats = reply.stats
+        assert stats.verifier_state and (stats.verifier_state_bytes > 0 or ("adaptive" in fields and not stats.speculative_rounds))
     client.close()
 
 
@@ -185,7 +185,7 @@ def test_a_coordinator_running_the_verifier_decodes_exactly(tiny_dirs, head_dir,
             reply = client.generate(generate_request(prompt_token_ids=prompt, max_new_tokens=24))
             assert list(reply.token_ids) == hf_greedy(tiny_verifier, prompt, 24)
             stats = reply.stats
-            assert stats.verifier_replica.startswith("in-process:") and stats.speculative_rounds > 0 and stats.feature_bytes > 0
+            assert stats.verifier_replica.startswith("in-process:") and stats.speculative_rounds > 0 and stats.verifier_state_bytes > 0
             # The verify call serializes nothing; the draft call still crosses gRPC. (Bytes, not hop
             # times: on 2 busy cores an in-process call's hand-off took as long as a loopback hop.)
             anatomy = stats.speculative_anatomy
@@ -205,51 +205,75 @@ def test_sampling_through_the_feature_head_follows_the_verifier(feature_stack, t
 def test_verifier_only_requests_ask_for_no_features(feature_stack):
     client = CoordinatorClient(feature_stack["coordinator"])
     reply = client.generate(generate_request(prompt_token_ids=[1, 4], max_new_tokens=5, num_draft_tokens=0))
-    assert not reply.stats.features and reply.stats.feature_bytes == 0
+    assert not reply.stats.verifier_state and reply.stats.verifier_state_bytes == 0
     client.close()
 
 
 def test_a_feature_head_needs_a_verifier_that_sends_features(tiny_dirs, head_dir, feature_stack):
     with local_stack(tiny_config(tiny_dirs)) as plain:
-        with pytest.raises(PairMismatch, match="feature head"):
+        with pytest.raises(PairMismatch, match="reads verifier state 'feature-head features.*but the verifier fills none"):
             service_pair(feature_stack["drafter"], plain["verifier"])
+
+
+def test_the_coordinator_keeps_verifier_state_by_position_unread():
+    log = VerifierStateLog()
+    log.add(common_pb2.VerifierState(start=0, positions=3, records=b"aabbcc"))
+    assert log.unsent(0, 3) == common_pb2.VerifierState(start=0, positions=3, records=b"aabbcc")
+    log.drafter_holds = 3
+    log.add(common_pb2.VerifierState(start=3, positions=2, records=b"ddee"))
+    assert log.unsent(log.drafter_holds, log.positions).records == b"ddee" and log.unsent(5, 5) is None
+    # A re-opened verifier sends again from where it restarted: what follows is replaced, and
+    # the drafter is sent it again.
+    log.add(common_pb2.VerifierState(start=2, positions=2, records=b"CCDD"))
+    assert (log.positions, log.drafter_holds, log.unsent(0, 4).records) == (4, 2, b"aabbCCDD")
+    for bad in (
+        common_pb2.VerifierState(start=6, positions=1, records=b"ff"),  # a gap
+        common_pb2.VerifierState(start=4, positions=2, records=b"fff"),  # not whole records
+        common_pb2.VerifierState(start=4, positions=1, records=b"fff"),  # another record size
+    ):
+        with pytest.raises(RuntimeError, match="malformed verifier state"):
+            log.add(bad)
 
 
 def test_bad_features_are_refused(feature_stack, tiny_dirs):
     drafter = MeasuredClient(feature_stack["drafter"], DRAFTER_SERVICE)
     start = common_pb2.SessionStart(context_token_ids=[1, 4, 5], sampling=common_pb2.SamplingParams())
 
-    def draft(features: common_pb2.Tensor, features_start: int = 0) -> grpc.RpcError:
+    def draft(positions: int, records: bytes, start: int = 0) -> grpc.RpcError:
         request = drafter_pb2.DraftRequest(
-            session_id="bad", start=start, committed_length=3, num_draft_tokens=2, features=features, features_start=features_start
+            session_id="bad", start=start_session, committed_length=3, num_draft_tokens=2,
+            verifier_state=common_pb2.VerifierState(start=start, positions=positions, records=records),
         )
         with pytest.raises(grpc.RpcError) as caught:
             drafter.call("Draft", request, drafter_pb2.DraftResponse)
         return caught.value
 
-    wrong_width = draft(common_pb2.Tensor(shape=[2, 31], dtype="float16", data=bytes(2 * 31 * 2)))
-    assert wrong_width.code() == grpc.StatusCode.INVALID_ARGUMENT and "features.shape" in wrong_width.details()
-    short = draft(common_pb2.Tensor(shape=[2, 32], dtype="float16", data=bytes(10)))
+    start_session = start
+    wrong_width = draft(2, bytes(2 * 31 * 2))
+    assert wrong_width.code() == grpc.StatusCode.INVALID_ARGUMENT and "features of width 32" in wrong_width.details()
+    short = draft(2, bytes(10))
     assert short.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in short.details()
-    gap = draft(common_pb2.Tensor(shape=[2, 32], dtype="float16", data=bytes(2 * 32 * 2)), features_start=5)
+    not_finite = draft(1, b"\xff\x7f" * 32)  # float16 NaN
+    assert not_finite.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in not_finite.details()
+    gap = draft(2, bytes(2 * 32 * 2), start=5)
     assert gap.code() == grpc.StatusCode.FAILED_PRECONDITION and "gap" in gap.details()
-    missing = draft(common_pb2.Tensor(shape=[1, 32], dtype="float16", data=bytes(32 * 2)))
+    missing = draft(1, bytes(32 * 2))
     assert missing.code() == grpc.StatusCode.FAILED_PRECONDITION and "features" in missing.details()
     drafter.close()
     with local_stack(tiny_config(tiny_dirs)) as plain:
         verifier = MeasuredClient(plain["verifier"], VERIFIER_SERVICE)
-        request = verifier_pb2.VerifyRequest(session_id="v", round=1, start=start, features=True)
+        request = verifier_pb2.VerifyRequest(session_id="v", round=1, start=start, verifier_state=True)
         with pytest.raises(grpc.RpcError) as caught:
             verifier.call("Verify", request, verifier_pb2.VerifyResponse)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "feature head" in caught.value.details()
         model_drafter = MeasuredClient(plain["drafter"], DRAFTER_SERVICE)
         request = drafter_pb2.DraftRequest(
             session_id="m", start=start, committed_length=3, num_draft_tokens=2,
-            features=common_pb2.Tensor(shape=[2, 32], dtype="float16", data=bytes(128)),
+            verifier_state=common_pb2.VerifierState(start=0, positions=2, records=bytes(128)),
         )
         with pytest.raises(grpc.RpcError) as caught:
             model_drafter.call("Draft", request, drafter_pb2.DraftResponse)
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a feature head" in caught.value.details()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "this drafter reads none" in caught.value.details()
         verifier.close()
         model_drafter.close()
 
@@ -300,13 +324,13 @@ def test_an_int8_head_drafts_like_the_float32_head(head_dir):
     """int8 weights (the head is memory-bound: about 3x faster drafts) change drafts at most
     near ties; verification, not the drafter, keeps the output exact."""
     context = [1, 4, 7, 3, 9, 5]
-    features = (0, torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(1)))
+    features = VerifierState(**features_to_state(0, torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(1))))
     chains = []
     for dtype in ("float32", "int8"):
         drafter = drafter_for(ModelSpec(str(head_dir), dtype=dtype))
         session = drafter.open_session("s", context, Sampling(0.0, 1.0, 0, 0), "")
         tree = drafter.draft(session_id="s", session=session, new_tokens=[], committed_length=len(context), num_tokens=6,
-                                 shape=TreeShape("dynamic", width=2), features=features).tree
+                                 shape=TreeShape("dynamic", width=2), verifier_state=features).tree
         chains.append(tree)
     assert len(chains[1]) == 6 and chains[1].token_ids[0] == chains[0].token_ids[0]
     with pytest.raises(ValueError, match="float32 or int8"):

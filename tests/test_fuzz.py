@@ -300,8 +300,8 @@ VERIFY_FAULTS = SESSION_FAULTS | CONTEXT_FAULTS | {
     "round-out-of-order": setting("round", st.just(0) | st.integers(2, UINT32_MAX), code=grpc.StatusCode.FAILED_PRECONDITION),
     "prompt_length-past-context": prompt_past_context,
     # The tiny verifier has neither a feature head nor a steering checkpoint.
-    "keep_features": setting("start.keep_features", st.just(True)), "steering": setting("steering", st.just(True)),
-    "features": setting("features", st.just(True)),
+    "keep_verifier_state": setting("start.keep_verifier_state", st.just(True)), "steering": setting("steering", st.just(True)),
+    "verifier_state": setting("verifier_state", st.just(True)),
     "tree-token-outside-vocabulary": tree_fault(_token_outside),
     "parent-not-before-child": tree_fault(_parent_at(lambda at: st.integers(at, INT32[1]))),
     "parent-below-root": tree_fault(_parent_at(lambda at: st.integers(INT32[0], -2))),
@@ -355,7 +355,7 @@ def draft_requests(draw) -> drafter_pb2.DraftRequest:
         session_id=draw(SESSION_IDS), round=draw(st.integers(0, UINT32_MAX)), start=start, new_token_ids=new,
         committed_length=len(start.context_token_ids) + len(new), num_draft_tokens=draw(st.integers(1, 8) | st.just(CAP)),
         verifier_tokenizer_fingerprint=draw(st.sampled_from(["", FINGERPRINT])), assumed_token_ids=draw(st.lists(TOKENS, max_size=3)),
-        pick_excludes=draw(st.lists(TOKENS, max_size=3)), features_start=draw(st.integers(0, UINT32_MAX)),  # read only with features
+        pick_excludes=draw(st.lists(TOKENS, max_size=3)),
     )
     if draw(st.booleans()):
         request.tree_shape.CopyFrom(draw(tree_shapes()))
@@ -395,6 +395,9 @@ def wrong_committed_length(draw, request) -> Fault:
 
 
 TENSORS = st.builds(common_pb2.Tensor, shape=st.just([1, 32]), dtype=st.just("float16"), data=st.binary(min_size=64, max_size=64))
+VERIFIER_STATES = st.builds(
+    common_pb2.VerifierState, start=st.integers(0, UINT32_MAX), positions=st.integers(0, 8), records=st.binary(max_size=512)
+)
 DRAFT_FAULTS = SESSION_FAULTS | {
     name: keeping_committed_length(breaker) for name, breaker in CONTEXT_FAULTS.items()
 } | shape_faults("tree_shape") | {
@@ -404,8 +407,8 @@ DRAFT_FAULTS = SESSION_FAULTS | {
     "excluded-token-outside-vocabulary": tokens_outside("pick_excludes"),
     "bad-num_draft_tokens": setting("num_draft_tokens", st.just(0) | st.integers(CAP + 1, UINT32_MAX)),
     "wrong-committed_length": wrong_committed_length, "draft-past-context": draft_past_context,
-    # The tiny drafter has no steering checkpoint and is no feature head.
-    "steering": setting("steering", TENSORS), "features": setting("features", TENSORS),
+    # The tiny drafter has no steering checkpoint and reads no verifier state.
+    "steering": setting("steering", TENSORS), "verifier_state": setting("verifier_state", VERIFIER_STATES),
 }
 
 

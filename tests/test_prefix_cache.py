@@ -54,13 +54,13 @@ def test_the_least_recently_used_blocks_go_past_the_memory_bound():
     assert prefix.match(first) == [] and len(prefix.match(second)) == 2
 
 
-def rounds(engine: Verifier, tag: str, keep_features: bool) -> list:
+def rounds(engine: Verifier, tag: str, keep_state: bool) -> list:
     """Each prompt: a fused round with features (which reads the prompt), then a tree."""
     results = []
     for i, prompt in enumerate(PROMPTS):
-        session = engine.open_session(f"{tag}{i}", prompt, Sampling(), keep_features=keep_features)
-        fused = engine.verify(session, 1, DraftTree([], []), 3, features=keep_features)
-        tree = engine.verify(session, 2, DraftTree([4, 6, 8], [-1, -1, 0]), 0, features=keep_features)
+        session = engine.open_session(f"{tag}{i}", prompt, Sampling(), keep_verifier_state=keep_state)
+        fused = engine.verify(session, 1, DraftTree([], []), 3, verifier_state=keep_state)
+        tree = engine.verify(session, 2, DraftTree([4, 6, 8], [-1, -1, 0]), 0, verifier_state=keep_state)
         cache = session.cache
         results.append((fused, tree, *cache.rows(0, cache.length)))
     return results
@@ -72,10 +72,7 @@ def assert_same_rounds(cached: list, fresh: list) -> None:
         assert tree.num_accepted == tree0.num_accepted
         assert torch.equal(keys, keys0) and torch.equal(values, values0)
         for result, expected in ((fused, fused0), (tree, tree0)):
-            assert (result.features is None) == (expected.features is None)
-            if result.features is not None:
-                assert result.features_start == expected.features_start
-                assert result.features["data"] == expected.features["data"]
+            assert result.verifier_state == expected.verifier_state
 
 
 def test_sessions_reading_a_cached_prefix_get_what_a_full_read_gives(tiny_dirs, head_dir):  # noqa: F811
@@ -83,9 +80,9 @@ def test_sessions_reading_a_cached_prefix_get_what_a_full_read_gives(tiny_dirs, 
     fresh_engine = Verifier(spec, feature_checkpoint=str(head_dir))
     cached_engine = Verifier(spec, feature_checkpoint=str(head_dir), prefix_cache_mib=16)
     assert fresh_engine.prefix is None and cached_engine.prefix is not None
-    for keep_features in (False, True):  # the first pass fills the cache, the second reads it with features
+    for keep_state in (False, True):  # the first pass fills the cache, the second reads it with features
         assert_same_rounds(
-            rounds(cached_engine, f"c{keep_features}", keep_features), rounds(fresh_engine, f"f{keep_features}", keep_features)
+            rounds(cached_engine, f"c{keep_state}", keep_state), rounds(fresh_engine, f"f{keep_state}", keep_state)
         )
     prefix = cached_engine.prefix
     # First pass: prompts 1 and 2 find 2 and 1 of prompt 0's blocks; the second pass finds them

@@ -40,13 +40,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
             session = self.batcher.call(
                 request.session_id, self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling,
-                request.start.prompt_length, request.start.keep_features,
+                request.start.prompt_length, request.start.keep_verifier_state,
             )
         else:
             session = self.engine.sessions.get(request.session_id)
         tree = tree_from_proto(request.tree)
         with dropped_on_failure(self.engine.sessions, request.session_id):
-            job = self.engine.verify_job(session, request.round, tree, request.fused_tokens, request.steering, request.features)
+            job = self.engine.verify_job(session, request.round, tree, request.fused_tokens, request.steering, request.verifier_state)
             result = self.batcher.run(job, request.session_id)
         self.engine.sessions.fit(request.session_id)  # the grown cache may push others out
         return verifier_pb2.VerifyResponse(
@@ -57,9 +57,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             handler_ms=(time.perf_counter() - start) * 1e3,
             steering=common_pb2.Tensor(**result.steering) if result.steering else None,
             steering_ms=result.steering_ms,
-            features=common_pb2.Tensor(**result.features) if result.features else None,
-            features_start=result.features_start,
-            features_ms=result.features_ms,
+            verifier_state=common_pb2.VerifierState(**result.verifier_state) if result.verifier_state else None,
+            verifier_state_ms=result.verifier_state_ms,
             batch_rows=result.batch_rows,
             batch_sessions=result.batch_sessions,
         )

@@ -12,7 +12,7 @@ import torch
 
 from specdec.core.batching import Job, run_alone
 from specdec.core.engine import ForwardCall, engine_for
-from specdec.core.feature_head import feature_fingerprint, load_feature_fuse
+from specdec.core.feature_head import features_to_state, load_feature_fuse, state_name
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
     ModelSpec,
@@ -48,9 +48,8 @@ class RoundResult:
     compute_ms: float
     steering: dict | None = None  # common.Tensor fields of the steering vector, when asked for
     steering_ms: float = 0.0
-    features: dict | None = None  # common.Tensor fields of the committed positions' features, when asked for
-    features_start: int = 0  # the position of the first feature row
-    features_ms: float = 0.0
+    verifier_state: dict | None = None  # VerifierState fields (a feature head's features), when asked for
+    verifier_state_ms: float = 0.0
     batch_rows: float = 0.0  # the passes this round ran in: mean rows, and mean sessions sharing them
     batch_sessions: float = 0.0
 
@@ -106,10 +105,10 @@ class Verifier:
         if steering_checkpoint:
             self.steering, self.steering_fingerprint = load_verifier_steering(steering_checkpoint, self.model)
         self.steering_size = self.model.config.hidden_size if self.steering else 0
-        self.fuse, self.feature_fingerprint = None, ""
+        # The verifier state it fills (ModelInfo.verifier_state): a feature head's features.
+        self.fuse, self.verifier_state = None, ""
         if feature_checkpoint:
-            self.fuse, self.feature_fingerprint = load_feature_fuse(feature_checkpoint, self.model), feature_fingerprint(feature_checkpoint)
-        self.feature_size = self.model.config.hidden_size if self.fuse else 0
+            self.fuse, self.verifier_state = load_feature_fuse(feature_checkpoint, self.model), state_name(feature_checkpoint)
         # Prompts read before, for sessions that start alike; with the states a feature head fuses.
         self.prefix = None
         if prefix_cache_mib and self.engine.batch_invariant:
@@ -127,28 +126,28 @@ class Verifier:
             raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
 
     def open_session(
-        self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0, keep_features: bool = False
+        self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0, keep_verifier_state: bool = False
     ) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
         if prompt_length > len(context):
             raise invalid(f"start.prompt_length {prompt_length} exceeds the context's {len(context)} tokens")
-        if keep_features and self.fuse is None:
+        if keep_verifier_state and self.fuse is None:
             raise invalid(
-                "start.keep_features asks for features, but this verifier has no feature head checkpoint loaded "
-                "(a feature-head drafter's directory)"
+                "start.keep_verifier_state asks for verifier state, but this verifier fills none: it has no feature head "
+                "checkpoint loaded (a feature-head drafter's directory)"
             )
         session = VerifierSession(
-            list(context), sampling, self.engine.new_cache(), prompt_length=prompt_length or len(context), keep_features=keep_features
+            list(context), sampling, self.engine.new_cache(), prompt_length=prompt_length or len(context), keep_features=keep_verifier_state
         )
         self.sessions.put(session_id, session)
         return session
 
     def verify(
         self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False,
-        features: bool = False,
+        verifier_state: bool = False,
     ) -> RoundResult:
         """One round on its own (a service batches `verify_job`s of many sessions instead)."""
-        return run_alone(self.verify_job(session, round_number, tree, fused_tokens, steering, features), self.forward_many)
+        return run_alone(self.verify_job(session, round_number, tree, fused_tokens, steering, verifier_state), self.forward_many)
 
     def forward_many(self, calls: list[ForwardCall]) -> list:
         """Each call's (output, the size of the pass it shared)."""
@@ -159,10 +158,12 @@ class Verifier:
 
     def verify_job(
         self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False,
-        features: bool = False,
+        verifier_state: bool = False,
     ) -> Job:
         """Commits the round's tokens (the accepted path and the next token, or `fused_tokens`
-        of the verifier's own without a tree): a job yielding the forwards it needs."""
+        of the verifier's own without a tree): a job yielding the forwards it needs. With
+        `verifier_state`, the round also returns the features (this verifier's verifier state)
+        of the positions it commits and of every earlier one not sent yet."""
         with session.lock:
             if round_number == session.last_round and session.last_result is not None:
                 return session.last_result  # a retried round commits nothing twice
@@ -180,9 +181,10 @@ class Verifier:
                 raise invalid(
                     "steering was asked for, but this verifier has no steering checkpoint loaded (the config's steering_checkpoint)"
                 )
-            if features and self.fuse is None:
+            if verifier_state and self.fuse is None:
                 raise invalid(
-                    "features were asked for, but this verifier has no feature head checkpoint loaded (a feature-head drafter's directory)"
+                    "verifier_state was asked for, but this verifier fills none: it has no feature head checkpoint loaded "
+                    "(a feature-head drafter's directory)"
                 )
             if len(session.tokens) + len(tree) + max(fused_tokens, 1) > self.max_context:
                 raise ServiceError(
@@ -194,7 +196,7 @@ class Verifier:
             session.passes = []
             features_start = session.num_cached
             # The residual-stream depths the round reads: all of them to steer, the fused three for features.
-            fuse = features or session.keep_features
+            fuse = verifier_state or session.keep_features
             depths = tuple(range(self.model.config.num_hidden_layers + 1)) if steering else tuple(self.fuse.layers) if fuse else ()
             if len(tree) == 0:
                 new_tokens, read = yield from self._generate(session, max(fused_tokens, 1), depths)
@@ -210,19 +212,18 @@ class Verifier:
             depth_rows = torch.stack([read[depths.index(i)] for i in self.fuse.layers], dim=-2) if fuse else None
             fused = None
             if session.keep_features:
-                self._keep_features(session, features_start, depth_rows, fuse_now=features)
-                if features and session.features_sent < len(session.feature_rows):
-                    features_start = session.features_sent
-                    fused = vector_to_tensor_fields(torch.stack(session.feature_rows[features_start:]))
+                self._keep_features(session, features_start, depth_rows, fuse_now=verifier_state)
+                if verifier_state and session.features_sent < len(session.feature_rows):
+                    fused = features_to_state(session.features_sent, torch.stack(session.feature_rows[session.features_sent :]))
                     session.features_sent = len(session.feature_rows)
-            elif features:
-                fused = vector_to_tensor_fields(self.fuse.fuse_depths(depth_rows))
+            elif verifier_state:
+                fused = features_to_state(features_start, self.fuse.fuse_depths(depth_rows))
             features_ms = (time.perf_counter() - features_begun) * 1e3
             compute_ms = (time.perf_counter() - start) * 1e3
             session.tokens.extend(new_tokens)
             passes = max(len(session.passes), 1)
             result = RoundResult(
-                new_tokens, num_accepted, len(session.tokens), compute_ms, vector, steering_ms, fused, features_start, features_ms,
+                new_tokens, num_accepted, len(session.tokens), compute_ms, vector, steering_ms, fused, features_ms,
                 sum(p.rows for p in session.passes) / passes, sum(p.sessions for p in session.passes) / passes,
             )
             session.last_round, session.last_result = round_number, result

@@ -24,6 +24,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -207,6 +208,33 @@ def read_meta(source: str) -> dict:
 def feature_fingerprint(source: str) -> str:
     """The checkpoint's identity: a pair reads features only when both halves share it."""
     return hashlib.sha256((Path(resolve_alias(source)) / WEIGHTS).read_bytes()).hexdigest()[:32]
+
+
+# The features travel as the drafter's verifier state (common.proto VerifierState), which the
+# coordinator forwards unread: one float16 row of the verifier's width a position.
+def state_name(source: str) -> str:
+    """The verifier state (ModelInfo.verifier_state) the head of `source` reads, and its
+    verifier fills: the features of this checkpoint's fuse."""
+    return f"feature-head features, float16 rows, checkpoint {feature_fingerprint(source)}"
+
+
+def features_to_state(start: int, rows: torch.Tensor) -> dict:
+    """VerifierState fields for the features of positions start, start + 1, ..."""
+    array = rows.detach().to(torch.float16).cpu().numpy().astype("<f2")
+    return {"start": start, "positions": array.shape[0], "records": array.tobytes()}
+
+
+def features_from_state(positions: int, records: bytes, width: int) -> torch.Tensor:
+    """(positions, width) float32 rows from a VerifierState's records, or FeatureHeadError."""
+    if len(records) != positions * width * 2:
+        raise FeatureHeadError(
+            f"verifier_state holds {len(records)} bytes for {positions} positions; features of width {width} "
+            f"in float16 need {positions * width * 2}"
+        )
+    array = np.frombuffer(records, dtype="<f2")
+    if not np.isfinite(array).all():
+        raise FeatureHeadError("verifier_state holds NaN or infinite features")
+    return torch.from_numpy(array.astype(np.float32)).view(positions, width)
 
 
 def _state(source: str) -> dict[str, torch.Tensor]:

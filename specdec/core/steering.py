@@ -249,12 +249,6 @@ def vector_from_tensor(message, expected_size: int) -> torch.Tensor:
     return _from_tensor(message, "steering", [expected_size], [expected_size])
 
 
-def rows_from_tensor(message, width: int, name: str = "features") -> torch.Tensor:
-    """(n, width) float32 rows (verifier features) from a common.Tensor, or SteeringError."""
-    shape = list(message.shape)
-    return _from_tensor(message, name, shape if len(shape) == 2 and shape[1] == width and shape[0] >= 0 else None, ["n", width])
-
-
 def _from_tensor(message, name: str, shape: list[int] | None, expected: list) -> torch.Tensor:
     if message.dtype not in ("float16", "float32"):
         raise SteeringError(f"{name}.dtype must be float16 or float32, got '{message.dtype}'")

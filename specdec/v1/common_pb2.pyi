@@ -62,8 +62,18 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class VerifierState(_message.Message):
+    __slots__ = ("start", "positions", "records")
+    START_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    positions: int
+    records: bytes
+    def __init__(self, start: _Optional[int] = ..., positions: _Optional[int] = ..., records: _Optional[bytes] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "hidden_size", "num_layers", "steering_size", "steering_fingerprint", "feature_size", "feature_fingerprint", "active_sessions", "kv_cache_mib", "resident_mib", "forward_passes", "batched_calls", "batched_jobs", "batch_queue_ms", "prefix_hit_tokens", "prefix_read_tokens", "evicted_sessions")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "hidden_size", "num_layers", "steering_size", "steering_fingerprint", "verifier_state", "active_sessions", "kv_cache_mib", "resident_mib", "forward_passes", "batched_calls", "batched_jobs", "batch_queue_ms", "prefix_hit_tokens", "prefix_read_tokens", "evicted_sessions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -73,8 +83,7 @@ class ModelInfo(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STEERING_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEERING_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_STATE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_MIB_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MIB_FIELD_NUMBER: _ClassVar[int]
@@ -94,8 +103,7 @@ class ModelInfo(_message.Message):
     num_layers: int
     steering_size: int
     steering_fingerprint: str
-    feature_size: int
-    feature_fingerprint: str
+    verifier_state: str
     active_sessions: int
     kv_cache_mib: float
     resident_mib: float
@@ -106,7 +114,7 @@ class ModelInfo(_message.Message):
     prefix_hit_tokens: int
     prefix_read_tokens: int
     evicted_sessions: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., steering_size: _Optional[int] = ..., steering_fingerprint: _Optional[str] = ..., feature_size: _Optional[int] = ..., feature_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_cache_mib: _Optional[float] = ..., resident_mib: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ..., batched_jobs: _Optional[int] = ..., batch_queue_ms: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_read_tokens: _Optional[int] = ..., evicted_sessions: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., steering_size: _Optional[int] = ..., steering_fingerprint: _Optional[str] = ..., verifier_state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_cache_mib: _Optional[float] = ..., resident_mib: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ..., batched_jobs: _Optional[int] = ..., batch_queue_ms: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_read_tokens: _Optional[int] = ..., evicted_sessions: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -125,13 +133,13 @@ class EndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class SessionStart(_message.Message):
-    __slots__ = ("context_token_ids", "sampling", "prompt_length", "keep_features")
+    __slots__ = ("context_token_ids", "sampling", "prompt_length", "keep_verifier_state")
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    KEEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_VERIFIER_STATE_FIELD_NUMBER: _ClassVar[int]
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     prompt_length: int
-    keep_features: bool
-    def __init__(self, context_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ..., keep_features: _Optional[bool] = ...) -> None: ...
+    keep_verifier_state: bool
+    def __init__(self, context_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ..., keep_verifier_state: _Optional[bool] = ...) -> None: ...

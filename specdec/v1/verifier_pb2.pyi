@@ -8,25 +8,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "round", "start", "tree", "fused_tokens", "steering", "features")
+    __slots__ = ("session_id", "round", "start", "tree", "fused_tokens", "steering", "verifier_state")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     FUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEERING_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_STATE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     start: _common_pb2.SessionStart
     tree: _common_pb2.DraftTree
     fused_tokens: int
     steering: bool
-    features: bool
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., fused_tokens: _Optional[int] = ..., steering: _Optional[bool] = ..., features: _Optional[bool] = ...) -> None: ...
+    verifier_state: bool
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., fused_tokens: _Optional[int] = ..., steering: _Optional[bool] = ..., verifier_state: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_length", "compute_ms", "handler_ms", "steering", "steering_ms", "features", "features_start", "features_ms", "batch_rows", "batch_sessions")
+    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_length", "compute_ms", "handler_ms", "steering", "steering_ms", "verifier_state", "verifier_state_ms", "batch_rows", "batch_sessions")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -34,9 +34,8 @@ class VerifyResponse(_message.Message):
     HANDLER_MS_FIELD_NUMBER: _ClassVar[int]
     STEERING_FIELD_NUMBER: _ClassVar[int]
     STEERING_MS_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_START_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_STATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_STATE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -46,9 +45,8 @@ class VerifyResponse(_message.Message):
     handler_ms: float
     steering: _common_pb2.Tensor
     steering_ms: float
-    features: _common_pb2.Tensor
-    features_start: int
-    features_ms: float
+    verifier_state: _common_pb2.VerifierState
+    verifier_state_ms: float
     batch_rows: float
     batch_sessions: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., steering_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., features_start: _Optional[int] = ..., features_ms: _Optional[float] = ..., batch_rows: _Optional[float] = ..., batch_sessions: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., steering_ms: _Optional[float] = ..., verifier_state: _Optional[_Union[_common_pb2.VerifierState, _Mapping]] = ..., verifier_state_ms: _Optional[float] = ..., batch_rows: _Optional[float] = ..., batch_sessions: _Optional[float] = ...) -> None: ...
