@@ -7,16 +7,15 @@ import time
 from collections.abc import Generator
 from typing import Any
 
-import grpc
 import torch
 
 from drafter_service.drafting import Draft, Drafter, DrafterSession, ScoredTree, VerifierState
 from specdec.core.batching import run_alone
+from specdec.core.errors import PastContext, RequestError, StaleSession
 from specdec.core.ngram import NgramIndex, NgramProposer
 from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree, TreeShape
 from specdec.serving.config import LimitsConfig
-from specdec.serving.rpc import ServiceError, invalid
 from specdec.serving.sessions import SessionStore, check_context, check_kv_room
 
 
@@ -37,7 +36,7 @@ class DraftingSessions:
     def open_session(self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str) -> DrafterSession:
         info = self.info
         if verifier_fingerprint and info.fingerprint and verifier_fingerprint != info.fingerprint:
-            raise invalid(
+            raise RequestError(
                 "mismatched tokenizers: verifier_tokenizer_fingerprint is not this drafter's "
                 f"({verifier_fingerprint} vs {info.fingerprint}); a pair must share one tokenizer, unless the drafter "
                 "maps its drafts (drafter.tokenizer: own, with the verifier's model as verifier.model)"
@@ -90,28 +89,27 @@ class DraftingSessions:
         nothing twice; 0 = unnumbered."""
         cap, info = self.limits.max_draft_tokens, self.info
         if not 1 <= num_tokens <= cap:
-            raise invalid(f"num_draft_tokens must be in [1, {cap}], got {num_tokens}")
+            raise RequestError(f"num_draft_tokens must be in [1, {cap}], got {num_tokens}")
         try:
             shape.check_limit(cap)
         except ValueError as err:
-            raise invalid(f"tree_shape: {err}") from None
+            raise RequestError(f"tree_shape: {err}") from None
         self.drafter.check(shape)
         for name, ids in (("new_token_ids", new_tokens), ("assumed_token_ids", assumed), ("pick_excludes", pick_excludes)):
             bad = [t for t in ids if not 0 <= t < info.vocab_size]
             if bad:
-                raise invalid(f"{name} has token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
+                raise RequestError(f"{name} has token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
         with session.lock:
             if round_number and round_number == session.last_round and session.last_draft is not None:
                 return session.last_draft
             if len(session.tokens) + len(new_tokens) != committed_length:
                 self.sessions.pop(session_id)
-                raise ServiceError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise StaleSession(
                     f"session '{session_id}' is out of sync: it holds {len(session.tokens)} tokens, "
-                    f"{len(new_tokens)} new ones do not make committed_length {committed_length}; re-open it",
+                    f"{len(new_tokens)} new ones do not make committed_length {committed_length}; re-open it"
                 )
             if committed_length + len(assumed) + 1 + num_tokens > info.max_context:
-                raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, f"drafting would exceed the model's context of {info.max_context}")
+                raise PastContext(f"drafting would exceed the model's context of {info.max_context}")
             check_kv_room(committed_length + len(assumed) + 1 + num_tokens, info.kv_bytes_per_token, self.limits)
             if verifier_state is not None:
                 self.drafter.take_verifier_state(session, verifier_state)

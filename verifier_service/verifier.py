@@ -7,11 +7,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from specdec.core.batching import Job, run_alone
 from specdec.core.engine import ForwardCall, engine_for
+from specdec.core.errors import PastContext, RequestError, StaleSession
 from specdec.core.feature_head import features_to_state, load_feature_fuse, state_name
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
@@ -36,11 +36,10 @@ from specdec.core.sampling import (
 from specdec.core.steering import load_verifier_steering, vector_to_tensor_fields
 from specdec.core.tree import DraftTree, MalformedTree, verification_inputs
 from specdec.serving.config import LimitsConfig
-from specdec.serving.rpc import ServiceError, invalid
 from specdec.serving.sessions import SessionStore, check_context, check_kv_room
 
 
-@dataclass
+@dataclass(kw_only=True)  # a round's counts and times: named, so none can swap places
 class RoundResult:
     token_ids: list[int]
     num_accepted: int
@@ -119,20 +118,20 @@ class Verifier:
         read): a tree of at most limits.max_tree_nodes, or at most limits.max_fused_tokens verifier tokens."""
         max_nodes, max_fused = self.limits.max_tree_nodes, self.limits.max_fused_tokens
         if max(num_nodes, num_parents) > max_nodes:
-            raise invalid(f"tree has {max(num_nodes, num_parents)} nodes; this verifier takes at most {max_nodes}")
+            raise RequestError(f"tree has {max(num_nodes, num_parents)} nodes; this verifier takes at most {max_nodes}")
         if fused_tokens > max_fused:
-            raise invalid(f"fused_tokens is {fused_tokens}; this verifier generates at most {max_fused} per call")
+            raise RequestError(f"fused_tokens is {fused_tokens}; this verifier generates at most {max_fused} per call")
         if fused_tokens and num_nodes:
-            raise invalid("fused_tokens is only for an empty tree (verifier-only generation)")
+            raise RequestError("fused_tokens is only for an empty tree (verifier-only generation)")
 
     def open_session(
         self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0, keep_verifier_state: bool = False
     ) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
         if prompt_length > len(context):
-            raise invalid(f"start.prompt_length {prompt_length} exceeds the context's {len(context)} tokens")
+            raise RequestError(f"start.prompt_length {prompt_length} exceeds the context's {len(context)} tokens")
         if keep_verifier_state and self.fuse is None:
-            raise invalid(
+            raise RequestError(
                 "start.keep_verifier_state asks for verifier state, but this verifier fills none: it has no feature head "
                 "checkpoint loaded (a feature-head drafter's directory)"
             )
@@ -168,29 +167,23 @@ class Verifier:
             if round_number == session.last_round and session.last_result is not None:
                 return session.last_result  # a retried round commits nothing twice
             if round_number != session.last_round + 1:
-                raise ServiceError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"round {round_number} out of order: the session's last round was {session.last_round}",
-                )
+                raise StaleSession(f"round {round_number} out of order: the session's last round was {session.last_round}")
             self.check_sizes(len(tree), len(tree.parent), fused_tokens)
             try:
                 tree.validate(self.vocab_size)
             except MalformedTree as err:
-                raise invalid(str(err)) from None
+                raise RequestError(str(err)) from None
             if steering and self.steering is None:
-                raise invalid(
+                raise RequestError(
                     "steering was asked for, but this verifier has no steering checkpoint loaded (the config's steering_checkpoint)"
                 )
             if verifier_state and self.fuse is None:
-                raise invalid(
+                raise RequestError(
                     "verifier_state was asked for, but this verifier fills none: it has no feature head checkpoint loaded "
                     "(a feature-head drafter's directory)"
                 )
             if len(session.tokens) + len(tree) + max(fused_tokens, 1) > self.max_context:
-                raise ServiceError(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"the session would exceed the model's context of {self.max_context} tokens",
-                )
+                raise PastContext(f"the session would exceed the model's context of {self.max_context} tokens")
             check_kv_room(len(session.tokens) + len(tree) + max(fused_tokens, 1), self.kv_bytes_per_token, self.limits)
             start = time.perf_counter()
             session.passes = []
@@ -223,8 +216,9 @@ class Verifier:
             session.tokens.extend(new_tokens)
             passes = max(len(session.passes), 1)
             result = RoundResult(
-                new_tokens, num_accepted, len(session.tokens), compute_ms, vector, steering_ms, fused, features_ms,
-                sum(p.rows for p in session.passes) / passes, sum(p.sessions for p in session.passes) / passes,
+                token_ids=new_tokens, num_accepted=num_accepted, committed_length=len(session.tokens), compute_ms=compute_ms,
+                steering=vector, steering_ms=steering_ms, verifier_state=fused, verifier_state_ms=features_ms,
+                batch_rows=sum(p.rows for p in session.passes) / passes, batch_sessions=sum(p.sessions for p in session.passes) / passes,
             )
             session.last_round, session.last_result = round_number, result
             return result

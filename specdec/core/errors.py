@@ -9,3 +9,7 @@ class RequestError(Exception):
 
 class StaleSession(RequestError):
     """A request that needs state its session no longer holds; re-opening it helps: FAILED_PRECONDITION."""
+
+
+class PastContext(RequestError):
+    """A request that would take a session past its model's context: OUT_OF_RANGE."""

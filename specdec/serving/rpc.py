@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.core.errors import RequestError, StaleSession
+from specdec.core.errors import PastContext, RequestError, StaleSession
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,11 @@ def reports_errors(method: Callable) -> Callable:
         if isinstance(err, ServiceError):
             context.abort(err.code, err.message)
         if isinstance(err, RequestError):  # the domain's own errors (specdec/core/errors.py)
-            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(err, StaleSession) else grpc.StatusCode.INVALID_ARGUMENT
+            code = (
+                grpc.StatusCode.FAILED_PRECONDITION if isinstance(err, StaleSession)
+                else grpc.StatusCode.OUT_OF_RANGE if isinstance(err, PastContext)
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
             context.abort(code, str(err))
         downstream = isinstance(err, grpc.RpcError) and isinstance(err, grpc.Call)
         if downstream and err.code() in RELAYED_CODES:  # a downstream service's answer the caller can act on
