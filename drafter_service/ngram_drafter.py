@@ -3,7 +3,7 @@ reads token ids only, so it pairs with any verifier's tokenizer."""
 from __future__ import annotations
 
 from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree, ngram_draft
-from specdec.core.batching import Job
+from specdec.core.batching import forwardless
 from specdec.core.ngram import NgramProposer
 from specdec.core.tree import TreeShape
 from specdec.core.errors import RequestError
@@ -22,12 +22,12 @@ class NgramDrafter(Drafter):
     def _method(self, shape: TreeShape) -> NgramProposer:
         return self.methods[shape.ngram or self.default]
 
-    def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
-        yield from ()  # a job that runs no forward
+    @forwardless
+    def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> int | None:
         first = self._method(shape).propose(session.ngram, context, 1 + len(excludes), 1).tree  # the first tokens of its draft
         return next((t for t in first.token_ids if t not in excludes), None)
 
-    def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
-        yield from ()
+    @forwardless
+    def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> ScoredTree:
         draft = ngram_draft(session, self._method(shape), context, budget, shape.max_depth)
         return ScoredTree(draft.tree, draft.confidence)

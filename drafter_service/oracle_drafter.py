@@ -5,15 +5,13 @@ what a dynamic, static or beam tree makes of such a drafter, and half the budget
 lattice. No model, like the n-gram drafter."""
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import replace
-from typing import Any
 
 import torch
 
 from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.core.batching import Job
+from specdec.core.batching import Job, forwardless
 from specdec.core.oracle import ReferenceTable
 from specdec.core.sampling import Sampling
 from specdec.core.tree import ROOT, DraftTree, Proposal, TreeShape
@@ -37,14 +35,13 @@ class OracleDrafter(Drafter):
             return None
         return reference[len(context)]
 
-    def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> Job:
-        yield from ()  # a job that runs no forward
+    @forwardless
+    def pick(self, session: DrafterSession, context: list[int], shape: TreeShape, excludes: list[int]) -> int | None:
         token = self._next(session, context)
         # No pick where the reference ends right after it: nothing would be left to draft.
         return None if token in excludes or len(session.state or ()) == len(context) + 1 else token
 
     def draft(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int) -> Job:
-        yield from ()
         reference = session.state
         if self._next(session, context) is None:
             return ScoredTree(DraftTree(), [])
@@ -53,8 +50,8 @@ class OracleDrafter(Drafter):
         shape = replace(shape, max_depth=min(shape.max_depth, left)) if shape.max_depth else shape
         start = len(context)
 
-        def expand(tree: DraftTree, nodes: list[int]) -> Generator[Any, Any, list[NextToken]]:
-            yield from ()
+        @forwardless
+        def expand(tree: DraftTree, nodes: list[int]) -> list[NextToken]:
             return [_certain(reference[start + (0 if n == ROOT else len(tree.path_to(n)))]) for n in nodes]
 
         generator = None if session.sampling.greedy else session.generator

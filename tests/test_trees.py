@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from drafter_service.tree_builders import NextToken, builder_for
-from specdec.core.batching import run_alone
+from specdec.core.batching import forwardless, run_alone
 from specdec.core.engine import TransformersEngine
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
@@ -60,8 +60,8 @@ def table_expand(table: torch.Tensor, sampled: bool):
     """The drafter side of a builder without a model: the next-token distribution after a
     node is the table row of its token; sampled drafts carry the matching sparse proposal."""
 
+    @forwardless
     def expand(tree: DraftTree, nodes: list[int]):
-        yield from ()  # a table runs no forward
         out = []
         for node in nodes:
             probs = table[ROOT_TOKEN if node == ROOT else tree.token_ids[node]]

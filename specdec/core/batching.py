@@ -6,6 +6,7 @@ joins at the next step: one stream alone never waits for a batch to fill, and ma
 share each pass over the weights."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Generator, Hashable
@@ -72,9 +73,16 @@ class Lockstep:
             self.waiting.append((job, call, done))
 
 
-def _at_once(fn: Callable[..., Any], args: tuple) -> Job:
-    yield from ()  # a job that runs no forward
-    return fn(*args)
+def forwardless(fn: Callable[..., Any]) -> Callable[..., Job]:
+    """`fn` as a job that needs no forward (a drafter without a model): it ends at its first
+    step with fn's value."""
+
+    @functools.wraps(fn)
+    def job(*args, **kwargs) -> Job:
+        yield from ()
+        return fn(*args, **kwargs)
+
+    return job
 
 
 def run_alone(job: Job, forward_many: ForwardMany) -> Any:
@@ -117,7 +125,7 @@ class Batcher:
     def call(self, key: Hashable, fn: Callable[..., Any], *args) -> Any:
         """fn(*args) on the compute thread between two steps (not after the running jobs end),
         in turn with the jobs of `key`; returns its value."""
-        return self.run(_at_once(fn, args), key)
+        return self.run(forwardless(fn)(*args), key)
 
     def _loop(self) -> None:
         lockstep = Lockstep(self._counted)
