@@ -73,7 +73,7 @@ class DrafterConfig(ServiceConfig):
     # One thread: its tiny forwards barely gain from a second, and on a machine it shares with
     # the verifier an idle OpenMP worker of its own spins on the core the verifier needs next
     # (chain-4 through Ray Serve on 2 cores: 38-51 -> 55-67 tokens/s).
-    torch_threads: int = 1
+    torch_threads: NonNegativeInt = 1
     proposal_top_k: PositiveInt = 32  # support size of the sparse proposal sent with sampled drafts
     # model: prompt-lookup or suffix drafts without a model; with a model, ngram.method adds
     # n-gram candidates to its drafts (hybrid).
