@@ -5,7 +5,8 @@ much memory each service holds at the start and the end.
 
     .venv/bin/python scripts/soak.py --minutes 10 --concurrency 32 --out docs/benchmarks/soak.json
 
-Without --address it starts the stack itself (as `specdec serve` does, default config).
+Without --address it starts the stack itself (as `specdec serve` does: the default config, or
+--config's).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from specdec.bench.cluster import LocalCluster
-from specdec.core.prompts import evaluation_split, load_prompts
+from specdec.core.prompts import PACKAGED_PROMPTS, evaluation_split, load_prompts
 from specdec.serving.client import CoordinatorClient, generate_request
 
 BAD_REQUESTS = [
@@ -131,13 +132,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompts", default=str(PACKAGED_PROMPTS), help="as specdec bench's: a JSONL file, humaneval or code-edit")
+    parser.add_argument("--config", help="the YAML config the stack serves (default: the built-in one); not with --address")
     parser.add_argument("--out", default="docs/benchmarks/soak.json")
     args = parser.parse_args()
 
+    app_args = {"config_file": args.config} if args.config else {}
+    if args.config and args.address:
+        parser.error("--config configures the stack the soak starts; a running one (--address) has its own")
     if args.cluster:
         with LocalCluster({"coordinator_node": 1}) as cluster:  # entered before Ray is imported
             cluster.start_service_nodes()
-            ok = run_soak(args, cluster.deploy({}, 50051))
+            ok = run_soak(args, cluster.deploy(app_args, 50051))
     else:
         import ray
 
@@ -145,7 +151,7 @@ def main() -> None:
 
         if args.address is None:
             try:
-                ok = run_soak(args, start_stack({}, 50051))
+                ok = run_soak(args, start_stack(app_args, 50051))
             finally:
                 stop_stack()
         else:
@@ -158,7 +164,7 @@ def main() -> None:
 def run_soak(args, address: str) -> bool:
     """Runs the soak against the coordinator at `address` and writes its report; whether it
     ended with no unexpected error and no session left."""
-    prompts = [row["prompt"] for row in evaluation_split(load_prompts(), args.num_prompts)]
+    prompts = [row["prompt"] for row in evaluation_split(load_prompts(args.prompts), args.num_prompts)]
     soak = Soak(address, prompts, args.max_new_tokens, args.minutes * 60)
     soak.prepare()
     before = service_state()
