@@ -1,9 +1,9 @@
 """The one interface every drafting method implements, as vLLM's proposers and transformers'
 `CandidateGenerator` do: a session's own state, a token picked ahead, a tree drafted after a
 context. The model drafter, the feature head, the n-gram drafters and the oracle are peers
-behind it; hybrid drafting wraps any of them. The service (drafter_service/drafter.py) does what
-is common to all: sessions, request checks, round numbers, committed tokens and their n-gram
-index."""
+behind it; hybrid drafting wraps any of them. The service (drafter_service/drafting_sessions.py)
+does what is common to all: sessions, request checks, round numbers, committed tokens and their
+n-gram index."""
 from __future__ import annotations
 
 import threading

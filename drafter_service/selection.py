@@ -1,7 +1,7 @@
 """Which drafter serves a drafter model source."""
 from __future__ import annotations
 
-from drafter_service.drafter import DraftingSessions
+from drafter_service.drafting_sessions import DraftingSessions
 from drafter_service.cross_tokenizer_drafter import CrossTokenizerDrafter
 from drafter_service.drafting import Drafter
 from drafter_service.feature_drafter import FeatureDrafter

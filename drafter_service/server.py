@@ -5,7 +5,7 @@ import time
 
 import grpc
 
-from drafter_service.drafter import DraftingSessions
+from drafter_service.drafting_sessions import DraftingSessions
 from drafter_service.drafting import VerifierState
 from drafter_service.selection import drafter_for
 from specdec.core.batching import Batcher
