@@ -246,19 +246,16 @@ def vector_to_tensor_fields(vector: torch.Tensor) -> dict:
 
 def vector_from_tensor(message, expected_size: int) -> torch.Tensor:
     """The steering vector from a common.Tensor, or SteeringError saying what is wrong."""
-    return _from_tensor(message, "steering", [expected_size], [expected_size])
-
-
-def _from_tensor(message, name: str, shape: list[int] | None, expected: list) -> torch.Tensor:
     if message.dtype not in ("float16", "float32"):
-        raise SteeringError(f"{name}.dtype must be float16 or float32, got '{message.dtype}'")
-    if shape is None or list(message.shape) != shape:
-        raise SteeringError(f"{name}.shape must be [{', '.join(map(str, expected))}], got {list(message.shape)}")
+        raise SteeringError(f"steering.dtype must be float16 or float32, got '{message.dtype}'")
+    if list(message.shape) != [expected_size]:
+        raise SteeringError(f"steering.shape must be [{expected_size}], got {list(message.shape)}")
     item = 2 if message.dtype == "float16" else 4
-    size = int(np.prod(shape))
-    if len(message.data) != size * item:
-        raise SteeringError(f"{name}.data has {len(message.data)} bytes; shape {shape} of {message.dtype} needs {size * item}")
+    if len(message.data) != expected_size * item:
+        raise SteeringError(
+            f"steering.data has {len(message.data)} bytes; shape [{expected_size}] of {message.dtype} needs {expected_size * item}"
+        )
     array = np.frombuffer(message.data, dtype="<f2" if item == 2 else "<f4")
     if not np.isfinite(array).all():
-        raise SteeringError(f"{name}.data holds NaN or infinite values")
-    return torch.from_numpy(array.astype(np.float32)).view(shape)
+        raise SteeringError("steering.data holds NaN or infinite values")
+    return torch.from_numpy(array.astype(np.float32))
