@@ -155,7 +155,7 @@ def test_openai_client_through_serves_http_proxy_gets_the_grpc_text(ray_stack, s
     ))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
-    assert chunks[-1].model_extra["speculation"]["features"]  # the feature head drafted
+    assert chunks[-1].model_extra["speculation"]["verifier_state"]  # the feature head drafted from the verifier's state
 
 
 @pytest.mark.e2e
