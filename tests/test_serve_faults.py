@@ -14,6 +14,13 @@ from tests.conftest import free_port, tiny_config
 PROMPT = [3, 7, 5, 9]
 
 
+def test_a_stack_on_another_port_than_its_config_says_is_refused_at_once(tiny_dirs):
+    from specdec.app.launch import deploy
+
+    with pytest.raises(ValueError, match="coordinator.port is 50051, not 50061"):
+        deploy(tiny_config(tiny_dirs), 50061)
+
+
 @pytest.fixture(scope="module")
 def serve_stack(tiny_dirs):
     from specdec.app.launch import start_stack, stop_stack

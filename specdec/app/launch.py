@@ -61,7 +61,10 @@ def deploy(app_args: dict, port: int, timeout_s: float = 900.0, name: str = APP_
 
     from specdec.app import build_app, build_config
 
-    tls = build_config(app_args).coordinator.tls
+    coordinator = build_config(app_args).coordinator
+    if not on_cluster and port != coordinator.port:  # else the wait below watches a port nobody opens
+        raise ValueError(f"the app's coordinator.port is {coordinator.port}, not {port}: set it in the app args (or its config file)")
+    tls = coordinator.tls
     route = "/" if name == APP_NAME else f"/{name}"
     serve.run(build_app(app_args), name=name, route_prefix=route, blocking=False)
     if on_cluster:  # Serve answers once the coordinator replica is up (the model replicas first)
