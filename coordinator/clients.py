@@ -218,13 +218,19 @@ class VerifierStateLog:
         self.positions = state.start + state.positions
         self.drafter_holds = min(self.drafter_holds, state.start)
 
-    def unsent(self, first: int, upto: int) -> common_pb2.VerifierState | None:
-        """The state of positions [first, upto), or None when there is none."""
+    def unsent(self, upto: int, reopen: bool) -> common_pb2.VerifierState | None:
+        """The state of positions [0, upto) the drafter lacks (all of it for a re-opened drafter
+        session), or None when it lacks none."""
+        first = 0 if reopen else self.drafter_holds
         if upto <= first:
             return None
         return common_pb2.VerifierState(
             start=first, positions=upto - first, records=bytes(self.records[first * self.record_bytes : upto * self.record_bytes])
         )
+
+    def delivered(self, upto: int) -> None:
+        """The drafter now holds positions [0, upto)."""
+        self.drafter_holds = max(self.drafter_holds, upto)
 
 
 class ServicePair:
@@ -348,7 +354,7 @@ class PairSession:
                 message.new_token_ids.extend(context[self._drafter_seen :])
             if self.verifier_state:
                 nonlocal sent_state
-                unsent = self._state_log.unsent(0 if reopen else self._state_log.drafter_holds, state_positions)
+                unsent = self._state_log.unsent(state_positions, reopen)
                 if unsent is not None:
                     message.verifier_state.CopyFrom(unsent)
                 sent_state = len(message.verifier_state.records)
@@ -358,7 +364,7 @@ class PairSession:
             self.pair.drafter, "Draft", drafter_pb2.DraftResponse, request, self._drafter_seen is None, self.DRAFT_RETRIES
         )
         self._drafter_seen, self._drafter_round = len(context), sent_round
-        self._state_log.drafter_holds = max(self._state_log.drafter_holds, state_positions)
+        self._state_log.delivered(state_positions)
         call.steering_ms, call.steering_bytes = reply.steering_ms, len(steering.data) if steering is not None else 0
         call.verifier_state_bytes, call.forward_passes = sent_state, reply.forward_passes
         call.own_tokens_drafted, call.reencode_rollbacks = reply.own_tokens_drafted, reply.reencode_rollbacks

@@ -218,14 +218,16 @@ def test_a_feature_head_needs_a_verifier_that_sends_features(tiny_dirs, head_dir
 def test_the_coordinator_keeps_verifier_state_by_position_unread():
     log = VerifierStateLog()
     log.add(common_pb2.VerifierState(start=0, positions=3, records=b"aabbcc"))
-    assert log.unsent(0, 3) == common_pb2.VerifierState(start=0, positions=3, records=b"aabbcc")
-    log.drafter_holds = 3
+    assert log.unsent(3, reopen=False) == common_pb2.VerifierState(start=0, positions=3, records=b"aabbcc")
+    log.delivered(3)
     log.add(common_pb2.VerifierState(start=3, positions=2, records=b"ddee"))
-    assert log.unsent(log.drafter_holds, log.positions).records == b"ddee" and log.unsent(5, 5) is None
+    assert log.unsent(log.positions, reopen=False).records == b"ddee" and log.unsent(3, reopen=False) is None
+    assert log.unsent(5, reopen=True).records == b"aabbccddee"  # a re-opened drafter session gets it all
     # A re-opened verifier sends again from where it restarted: what follows is replaced, and
     # the drafter is sent it again.
+    log.delivered(5)
     log.add(common_pb2.VerifierState(start=2, positions=2, records=b"CCDD"))
-    assert (log.positions, log.drafter_holds, log.unsent(0, 4).records) == (4, 2, b"aabbCCDD")
+    assert (log.positions, log.drafter_holds, log.unsent(4, reopen=False).records) == (4, 2, b"CCDD")
     for bad in (
         common_pb2.VerifierState(start=6, positions=1, records=b"ff"),  # a gap
         common_pb2.VerifierState(start=4, positions=2, records=b"fff"),  # not whole records
