@@ -175,8 +175,7 @@ class TlsConfig:
     ca_file: str = ""  # what this project's own clients (start-up health check, demo) trust; "" = cert_file
 
     def __post_init__(self) -> None:
-        if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError("needs both cert_file and key_file (or neither)")
+        _both_or_neither(self, "cert_file", "key_file")
 
     @property
     def enabled(self) -> bool:
@@ -228,14 +227,18 @@ class ServiceTlsConfig:
         return grpc.ssl_channel_credentials(_read("coordinator.service_tls.ca_file", self.ca_file), *mine)
 
     def __post_init__(self) -> None:
-        if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError("needs both cert_file and key_file (or neither)")
-        if bool(self.client_cert_file) != bool(self.client_key_file):
-            raise ValueError("needs both client_cert_file and client_key_file (or neither)")
+        _both_or_neither(self, "cert_file", "key_file")
+        _both_or_neither(self, "client_cert_file", "client_key_file")
         if (self.mutual or self.server_name or self.ca_file) and not self.enabled:
             raise ValueError("sets client certificates, server_name or ca_file without cert_file and key_file")
         if self.enabled and not self.ca_file:
             raise ValueError("needs ca_file: the CA that signed cert_file, which the coordinator checks the services against")
+
+
+def _both_or_neither(settings, first: str, second: str) -> None:
+    """A certificate comes with its key: raises ValueError when one of the two is set alone."""
+    if bool(getattr(settings, first)) != bool(getattr(settings, second)):
+        raise ValueError(f"needs both {first} and {second} (or neither)")
 
 
 def _read(key: str, path: str) -> bytes:
