@@ -9,9 +9,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
+from specdec.core.blocks import BLOCK_FORMATS, BlockLinear
 from specdec.core.engine import ForwardCall, LlamaEngine
 from specdec.core.hub import load_model_weights_only
 from specdec.core.int8 import Int8Linear
+from specdec.core.kernels import KERNEL_SOURCE, _cpu_flags, build
 from specdec.core.kquants import KQuantLinear, _llama_rows, decode, load_gguf_linears, pack, unpack
 from tests.test_engine import assert_tree_pass_equals_one_token_steps
 from tests.tiny_models import build_model_dir
@@ -67,6 +69,28 @@ def test_native_kernel_sums_what_the_torch_ops_sum_and_each_row_alone():
     weights = torch.cat([first.dequantized_weight(), second.dequantized_weight()])
     dense = x @ weights.T + fused.bias
     assert (native - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@pytest.mark.slow  # two extra builds of the kernels, a minute each
+def test_every_instruction_set_computes_the_same_bits():
+    """The kernels' scalar paths (-march=x86-64), AVX2's (x86-64-v3), AVX-512's where this CPU has
+    it (x86-64-v4) and this CPU's own (VNNI where it has it) give every GGUF format's layers the
+    same outputs bit for bit, row by row: a served model's tokens do not depend on its machine."""
+    marches = ["x86-64", "x86-64-v3", *(["x86-64-v4"] if " avx512bw" in _cpu_flags() else []), "native"]
+    builds = {march: build(KERNEL_SOURCE.read_text(), march) for march in marches}
+    fused, _, _ = mixed_layer(seed=3)
+    layers = {"Q4_K|Q6_K": fused}
+    layers.update({f: BlockLinear.from_linear(torch.nn.Linear(768, 200), f) for f in BLOCK_FORMATS})
+    torch.manual_seed(1)
+    x = torch.randn(9, 768) * 3
+    for name, layer in layers.items():
+        outputs = {}
+        for march, kernels in builds.items():
+            layer.kernels = kernels
+            outputs[march] = layer(x)
+            assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(len(x))]), outputs[march]), (name, march)
+        for march, output in outputs.items():
+            assert torch.equal(output, outputs["native"]), (name, march)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -15,8 +15,11 @@ from specdec.core.hub import cache_dir
 log = logging.getLogger(__name__)
 
 KERNEL_SOURCE = Path(__file__).with_name("engine_cpu.cpp")
-# Built for the CPU it runs on; no fused multiply-add the source did not write.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+
+
+def _flags(march: str) -> list[str]:
+    """No fused multiply-add the source did not write."""
+    return ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -41,14 +44,16 @@ def native():
         return None
 
 
-def build(source: str):
-    """The kernels compiled from `source` (the text of an engine_cpu.cpp), built once per source
-    text, compiler flags and CPU (-march=native code must not move to a CPU without the same
-    instructions) and cached; a module of its own, so builds of two versions load side by side
-    (scripts/kernel_ab.py)."""
+def build(source: str, march: str = "native"):
+    """The kernels compiled from `source` (the text of an engine_cpu.cpp) for `march` (GCC's
+    -march: the CPU it runs on by default; "x86-64" gives the scalar paths, "x86-64-v3" the AVX2
+    ones, for tests on a CPU that has more), built once per source text, compiler flags and CPU
+    (-march=native code must not move to a CPU without the same instructions) and cached; a
+    module of its own, so builds of two versions load side by side (scripts/kernel_ab.py)."""
     from torch.utils.cpp_extension import load
 
-    key = hashlib.sha256(f"{source}{_FLAGS}{_cpu_flags()}".encode()).hexdigest()[:12]
+    flags = _flags(march)
+    key = hashlib.sha256(f"{source}{flags}{_cpu_flags()}".encode()).hexdigest()[:12]
     directory = cache_dir() / "kernels" / key
     directory.mkdir(parents=True, exist_ok=True)
     # torch guards a build with a lock file that a killed build leaves behind, and then every
@@ -60,5 +65,5 @@ def build(source: str):
         copy = directory / KERNEL_SOURCE.name
         if not copy.exists() or copy.read_text() != source:
             copy.write_text(source)
-        return load(name=f"specdec_engine_cpu_{key}", sources=[str(copy)], extra_cflags=_FLAGS,
+        return load(name=f"specdec_engine_cpu_{key}", sources=[str(copy)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
