@@ -1,9 +1,10 @@
-"""The deployment manifests: deploy/serve.yaml and deploy/kuberay/*.yaml.
+"""The deployment manifests: deploy/serve.yaml and deploy/kuberay/*.yaml (each file one
+RayService with its Service and NetworkPolicy: the GPU pair, and the coder pair on CPUs).
 
-Offline and fast: no Ray cluster, no Kubernetes, no network. The RayService is validated against
+Offline and fast: no Ray cluster, no Kubernetes, no network. Each RayService is validated against
 KubeRay's CRD schema (tests/data/kuberay) made strict, its serveConfigV2 and deploy/serve.yaml
 against Ray Serve's own config schema, their `args` against the project config, and the
-placement (custom resources, GPUs, the head-pod Service) is checked for consistency.
+placement (custom resources, GPUs or CPUs, the head-pod Service) is checked for consistency.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from specdec.app.launch import COORDINATOR_SERVICER
 REPO = Path(__file__).resolve().parent.parent
 SERVE_YAML = REPO / "deploy" / "serve.yaml"
 KUBERAY_DIR = REPO / "deploy" / "kuberay"
+MANIFESTS = sorted(path.name for path in KUBERAY_DIR.glob("*.yaml"))
+GPU_MANIFEST = "rayservice.yaml"
 CRD_FILE = Path(__file__).resolve().parent / "data" / "kuberay" / "ray.io_rayservices.yaml"
 APP_NAME = "specdec"
 CLIENT_PORT = 50051
@@ -39,28 +42,26 @@ def _load_all(path: Path) -> list:
 
 
 @lru_cache(maxsize=None)
-def _kube_docs() -> tuple:
-    files = sorted(KUBERAY_DIR.glob("*.yaml"))
-    assert files, f"no manifests in {KUBERAY_DIR}"
-    return tuple(doc for path in files for doc in _load_all(path))
+def _kube_docs(manifest: str) -> tuple:
+    return tuple(_load_all(KUBERAY_DIR / manifest))
 
 
-def _kind(kind: str) -> list[dict]:
-    return [copy.deepcopy(doc) for doc in _kube_docs() if doc.get("kind") == kind]
+def _kind(kind: str, manifest: str) -> list[dict]:
+    return [copy.deepcopy(doc) for doc in _kube_docs(manifest) if doc.get("kind") == kind]
 
 
-def _rayservice() -> dict:
-    found = _kind("RayService")
-    assert len(found) == 1, f"expected one RayService in {KUBERAY_DIR}, found {len(found)}"
+def _rayservice(manifest: str = GPU_MANIFEST) -> dict:
+    found = _kind("RayService", manifest)
+    assert len(found) == 1, f"expected one RayService in {manifest}, found {len(found)}"
     return found[0]
 
 
 def _serve_configs() -> dict[str, dict]:
-    """Both Serve configs, by where they come from."""
-    return {
-        "deploy/serve.yaml": _load_all(SERVE_YAML)[0],
-        "RayService serveConfigV2": yaml.safe_load(_rayservice()["spec"]["serveConfigV2"]),
-    }
+    """Every Serve config, by where it comes from."""
+    configs = {"deploy/serve.yaml": _load_all(SERVE_YAML)[0]}
+    for manifest in MANIFESTS:
+        configs[f"{manifest} serveConfigV2"] = yaml.safe_load(_rayservice(manifest)["spec"]["serveConfigV2"])
+    return configs
 
 
 def _app(serve_config: dict) -> dict:
@@ -69,8 +70,13 @@ def _app(serve_config: dict) -> dict:
     return apps[0]
 
 
-def _kuberay_config() -> Config:
-    return build_config(_app(_serve_configs()["RayService serveConfigV2"])["args"])
+def _kuberay_config(manifest: str) -> Config:
+    return build_config(_app(_serve_configs()[f"{manifest} serveConfigV2"])["args"])
+
+
+def test_both_pairs_have_a_manifest():
+    assert MANIFESTS == ["rayservice-coder.yaml", "rayservice.yaml"], MANIFESTS
+    assert {_rayservice(m)["metadata"]["name"] for m in MANIFESTS} == {"specdec", "specdec-coder"}
 
 
 # --- the RayService against KubeRay's CRD, made strict ---------------------------------------
@@ -175,8 +181,9 @@ def _crd_errors(doc: dict, strict: bool = True) -> list[str]:
     ]
 
 
-def test_rayservice_matches_the_strict_crd_schema():
-    doc = _rayservice()
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_rayservice_matches_the_strict_crd_schema(manifest):
+    doc = _rayservice(manifest)
     crd = _crd()
     assert doc["apiVersion"] == f"{crd['spec']['group']}/v1"
     assert doc["kind"] == crd["spec"]["names"]["kind"]
@@ -260,7 +267,7 @@ def _parse_serve_config(data: dict) -> ServeDeploySchema:
     return model
 
 
-@pytest.mark.parametrize("source", ["deploy/serve.yaml", "RayService serveConfigV2"])
+@pytest.mark.parametrize("source", sorted(_serve_configs()))
 def test_serve_config_matches_ray_serve_schema(source):
     data = _serve_configs()[source]
     model = _parse_serve_config(data)
@@ -276,7 +283,7 @@ def test_unknown_serve_config_keys_are_caught():
         _parse_serve_config(data)
 
 
-@pytest.mark.parametrize("source", ["deploy/serve.yaml", "RayService serveConfigV2"])
+@pytest.mark.parametrize("source", sorted(_serve_configs()))
 def test_app_args_are_a_valid_project_config(source):
     args = _app(_serve_configs()[source])["args"]
     assert "config_file" not in args, "the manifests carry the config inline"
@@ -327,48 +334,69 @@ def _ray_start_resources(params: dict) -> dict[str, float]:
     return {k: float(v) for k, v in parsed.items()}
 
 
-def _groups() -> dict[str, dict]:
-    cluster = _rayservice()["spec"]["rayClusterConfig"]
+def _groups(manifest: str) -> dict[str, dict]:
+    cluster = _rayservice(manifest)["spec"]["rayClusterConfig"]
     groups = {"<head>": cluster["headGroupSpec"]}
     groups.update({g["groupName"]: g for g in cluster.get("workerGroupSpecs", [])})
     return groups
 
 
-def _gpu_limit(group: dict) -> int:
+def _limit(group: dict, resource: str) -> int:
     containers = group["template"]["spec"]["containers"]
-    return sum(int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) for c in containers)
+    return sum(int(c.get("resources", {}).get("limits", {}).get(resource, 0)) for c in containers)
 
 
-def _advertisers(resource: str) -> dict[str, float]:
+def _advertisers(resource: str, manifest: str) -> dict[str, float]:
     return {
         name: amount
-        for name, group in _groups().items()
+        for name, group in _groups(manifest).items()
         if (amount := _ray_start_resources(group.get("rayStartParams", {})).get(resource, 0)) > 0
     }
 
 
-@pytest.mark.parametrize("service,resource", [("verifier", "verifier_node"), ("drafter", "drafter_node")])
-def test_model_services_land_on_their_own_gpu_workers(service, resource):
-    section = getattr(_kuberay_config(), service)
-    options = section.ray_actor_options
-    assert options.get("num_gpus", 0) >= 1, f"{service} must ask for a GPU"
-    assert options.get("resources", {}).get(resource, 0) > 0, f"{service} must ask for {resource}"
-    assert section.model.device.startswith("cuda")
+def _placed_services() -> list[tuple[str, str, str]]:
+    """(manifest, service, the custom resource that places it) for each model service a
+    manifest deploys (a drafter the coordinator runs in process has no deployment)."""
+    placed = []
+    for manifest in MANIFESTS:
+        config = _kuberay_config(manifest)
+        placed.append((manifest, "verifier", "verifier_node"))
+        if not config.coordinator.drafter_in_process:
+            placed.append((manifest, "drafter", "drafter_node"))
+    return placed
 
-    advertisers = _advertisers(resource)
+
+def _unit(section) -> tuple[str, str, str]:
+    """What a replica of `section` takes a pod's share of: (ray_actor_options key, rayStartParam,
+    container limit): GPUs for a CUDA model, else CPUs."""
+    return ("num_gpus", "num-gpus", "nvidia.com/gpu") if section.model.device.startswith("cuda") else ("num_cpus", "num-cpus", "cpu")
+
+
+@pytest.mark.parametrize("manifest,service,resource", _placed_services())
+def test_model_services_land_on_their_own_workers(manifest, service, resource):
+    section = getattr(_kuberay_config(manifest), service)
+    options = section.ray_actor_options
+    option, param, limit = _unit(section)
+    assert options.get(option, 0) >= 1, f"{service} must ask for {option}"
+    assert options.get("resources", {}).get(resource, 0) > 0, f"{service} must ask for {resource}"
+
+    advertisers = _advertisers(resource, manifest)
     assert advertisers and "<head>" not in advertisers, f"{resource} must come from worker groups only: {advertisers}"
     for name, amount in advertisers.items():
-        group = _groups()[name]
+        group = _groups(manifest)[name]
         assert amount >= options["resources"][resource]
-        num_gpus = int(group["rayStartParams"].get("num-gpus", 0))
-        assert num_gpus >= options["num_gpus"], f"{name} advertises {num_gpus} GPUs"
-        assert _gpu_limit(group) == num_gpus, f"{name}: nvidia.com/gpu limit must match num-gpus"
+        count = int(group["rayStartParams"].get(param, 0))
+        assert count >= options[option], f"{name} advertises {count} ({param})"
+        assert _limit(group, limit) == count, f"{name}: the {limit} limit must match {param}"
         assert group["minReplicas"] >= 1 and group["replicas"] >= 1, f"{name} must start with a pod"
+    if option == "num_cpus":  # torch's default, 0, would take the node's cores, not the pod's
+        assert section.torch_threads == options["num_cpus"], f"{service}: torch_threads must be the CPUs it holds"
 
 
-def test_groups_pass_kuberay_controller_checks():
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_groups_pass_kuberay_controller_checks(manifest):
     """The RayCluster checks KubeRay's controller makes (utils/validation.go) that a schema cannot."""
-    for name, group in _groups().items():
+    for name, group in _groups(manifest).items():
         assert group["template"]["spec"]["containers"], f"{name} needs a container"
         params = group.get("rayStartParams", {})
         assert "labels" not in params, f"{name}: rayStartParams labels are refused; use the group's labels"
@@ -379,42 +407,47 @@ def test_groups_pass_kuberay_controller_checks():
             assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
 
 
-@pytest.mark.parametrize("service, resource", [("verifier", "verifier_node"), ("drafter", "drafter_node")])
-def test_autoscaled_replicas_fit_the_worker_pods_the_autoscaler_may_add(service, resource):
-    """Each replica takes a GPU on a pod of its own group: Serve must not ask for more replicas
-    than the Ray autoscaler may bring pods for, and the policy must be the sessions policy
-    (Serve's default counts handle requests, which the direct gRPC data plane never makes)."""
-    assert _rayservice()["spec"]["rayClusterConfig"].get("enableInTreeAutoscaling")
-    section = getattr(_kuberay_config(), service)
-    [override] = [d for d in _app(_serve_configs()["RayService serveConfigV2"])["deployments"] if d["name"] == service.capitalize()]
+@pytest.mark.parametrize("manifest,service,resource", _placed_services())
+def test_autoscaled_replicas_fit_the_worker_pods_the_autoscaler_may_add(manifest, service, resource):
+    """Each replica takes its share (a GPU, or all of a CPU pod) of a pod of its own group: Serve
+    must not ask for more replicas than the Ray autoscaler may bring pods for, and the policy
+    must be the sessions policy (Serve's default counts handle requests, which the direct gRPC
+    data plane never makes)."""
+    assert _rayservice(manifest)["spec"]["rayClusterConfig"].get("enableInTreeAutoscaling")
+    section = getattr(_kuberay_config(manifest), service)
+    serve_config = _serve_configs()[f"{manifest} serveConfigV2"]
+    [override] = [d for d in _app(serve_config)["deployments"] if d["name"] == service.capitalize()]
     scaling = override["autoscaling_config"]
     assert scaling["policy"]["policy_function"] == "specdec.serving.autoscaling:SessionsPolicy"
     policy = SessionsPolicy(**scaling["policy"]["policy_kwargs"])
     assert policy.target_sessions >= 1
-    pods = sum(_groups()[name]["maxReplicas"] for name in _advertisers(resource))
-    per_pod = (
-        min(int(_groups()[name]["rayStartParams"]["num-gpus"]) for name in _advertisers(resource)) // section.ray_actor_options["num_gpus"]
-    )
+    option, param, _ = _unit(section)
+    groups, advertisers = _groups(manifest), _advertisers(resource, manifest)
+    pods = sum(groups[name]["maxReplicas"] for name in advertisers)
+    per_pod = min(int(groups[name]["rayStartParams"][param]) for name in advertisers) // section.ray_actor_options[option]
     assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"] <= pods * per_pod
 
 
-def test_verifier_and_drafter_never_share_a_worker_group():
-    assert not set(_advertisers("verifier_node")) & set(_advertisers("drafter_node"))
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_verifier_and_drafter_never_share_a_worker_group(manifest):
+    assert not set(_advertisers("verifier_node", manifest)) & set(_advertisers("drafter_node", manifest))
 
 
-def test_coordinator_is_pinned_to_the_head():
-    options = _kuberay_config().coordinator.ray_actor_options
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_coordinator_is_pinned_to_the_head(manifest):
+    options = _kuberay_config(manifest).coordinator.ray_actor_options
     assert options.get("num_cpus") == 0
     assert options.get("resources", {}).get("coordinator_node", 0) > 0
-    advertisers = _advertisers("coordinator_node")
+    advertisers = _advertisers("coordinator_node", manifest)
     assert list(advertisers) == ["<head>"], advertisers
     assert advertisers["<head>"] >= options["resources"]["coordinator_node"]
 
 
-def test_images_match_ray_version():
-    cluster = _rayservice()["spec"]["rayClusterConfig"]
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_images_match_ray_version(manifest):
+    cluster = _rayservice(manifest)["spec"]["rayClusterConfig"]
     version = cluster["rayVersion"]
-    for name, group in _groups().items():
+    for name, group in _groups(manifest).items():
         for container in group["template"]["spec"]["containers"]:
             image = container["image"]
             assert re.fullmatch(rf"rayproject/ray:{re.escape(version)}(-py3\d+)?(-(gpu|cu\d+|cpu))?", image), (name, image)
@@ -441,44 +474,52 @@ def _head_pod_labels(cluster_name: str, template_labels: dict) -> dict[str, str]
     return labels
 
 
-def _service() -> dict:
-    services = _kind("Service")
-    assert len(services) == 1, f"expected one Service in {KUBERAY_DIR}, found {len(services)}"
+def _head_labels_of(manifest: str, suffix: str = "x7k2p") -> dict[str, str]:
+    """The labels of `manifest`'s head pod in a cluster RayService named with `suffix`."""
+    service = _rayservice(manifest)
+    template = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    return _head_pod_labels(f"{service['metadata']['name']}-{suffix}", template.get("metadata", {}).get("labels", {}))
+
+
+def _service(manifest: str) -> dict:
+    services = _kind("Service", manifest)
+    assert len(services) == 1, f"expected one Service in {manifest}, found {len(services)}"
     return services[0]
 
 
-def test_service_exposes_the_coordinator_port_on_the_head_container():
-    service = _service()
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_service_exposes_the_coordinator_port_on_the_head_container(manifest):
+    service = _service(manifest)
     assert service["apiVersion"] == "v1"
     assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", service["metadata"]["name"])
     [port] = [p for p in service["spec"]["ports"] if p["port"] == CLIENT_PORT]
     assert port.get("protocol", "TCP") == "TCP"
 
-    head = _rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head = _rayservice(manifest)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     target = port.get("targetPort", port["port"])
     by_name = {p.get("name"): p["containerPort"] for p in head.get("ports", [])}
     container_port = by_name[target] if isinstance(target, str) else target
-    assert container_port == _kuberay_config().coordinator.port == CLIENT_PORT, (
+    assert container_port == _kuberay_config(manifest).coordinator.port == CLIENT_PORT, (
         f"the Service sends {port['port']} to head container port {container_port}"
     )
     assert container_port in by_name.values(), "declare the port on the head container"
 
 
-def test_service_selects_only_this_rayservice_head_pod():
-    selector = _service()["spec"]["selector"]
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_service_selects_only_this_rayservice_head_pod(manifest):
+    selector = _service(manifest)["spec"]["selector"]
     assert selector.get("ray.io/node-type") == "head"
-    template_labels = _rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"].get("metadata", {}).get("labels", {})
     # RayService names its clusters "<name>-<random suffix>", new ones on every upgrade.
-    for cluster in ("specdec-x7k2p", "specdec-9qd4w"):
-        head = _head_pod_labels(cluster, template_labels)
+    for suffix in ("x7k2p", "9qd4w"):
+        head = _head_labels_of(manifest, suffix)
         assert selector.items() <= head.items(), f"selector {selector} misses head labels {head}"
 
         worker = {**head, "ray.io/node-type": "worker", "ray.io/group": "verifier-gpu"}
         assert not selector.items() <= worker.items(), "must not select worker pods"
 
-    unhealthy = {**_head_pod_labels("specdec-x7k2p", template_labels), "ray.io/serve": "false"}
-    other_cluster_head = _head_pod_labels("someone-else", {})
-    for labels in (unhealthy, other_cluster_head):
+    unhealthy = {**_head_labels_of(manifest), "ray.io/serve": "false"}
+    other_heads = [_head_pod_labels("someone-else", {}), *(_head_labels_of(other) for other in MANIFESTS if other != manifest)]
+    for labels in (unhealthy, *other_heads):
         assert not selector.items() <= labels.items(), labels
 
 
@@ -500,21 +541,28 @@ def _admitted(policy: dict, pod_labels: dict, source_labels: dict | None, port: 
     return False
 
 
-def test_network_policy_keeps_every_port_but_the_client_api_inside_the_rayservice():
-    [policy] = _kind("NetworkPolicy")
-    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["spec"]["policyTypes"] == ["Ingress"]
-    cluster = _rayservice()["spec"]["rayClusterConfig"]
-    head = _head_pod_labels("specdec-x7k2p", cluster["headGroupSpec"]["template"].get("metadata", {}).get("labels", {}))
+def _pods(manifest: str) -> list[dict]:
+    """The labels of `manifest`'s head pod and of a pod of each worker group."""
+    cluster = _rayservice(manifest)["spec"]["rayClusterConfig"]
     workers = [
         {**group["template"].get("metadata", {}).get("labels", {}), "ray.io/node-type": "worker"} for group in cluster["workerGroupSpecs"]
     ]
-    outsider = {"app": "something-else"}
-    for pod in [head, *workers]:
+    return [_head_labels_of(manifest), *workers]
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_network_policy_keeps_every_port_but_the_client_api_inside_the_rayservice(manifest):
+    [policy] = _kind("NetworkPolicy", manifest)
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["spec"]["policyTypes"] == ["Ingress"]
+    ours = _pods(manifest)
+    outsiders = [{"app": "something-else"}, *(pod for other in MANIFESTS if other != manifest for pod in _pods(other))]
+    for pod in ours:
         for port in (6379, 8265, 10001, 8080, 43121):  # GCS, dashboard, client, metrics, a replica's gRPC port
-            assert not _admitted(policy, pod, None, port) and not _admitted(policy, pod, outsider, port), (pod, port)
-            assert all(_admitted(policy, pod, peer, port) for peer in [head, *workers]), (pod, port)
+            assert not _admitted(policy, pod, None, port), (pod, port)
+            assert not any(_admitted(policy, pod, outsider, port) for outsider in outsiders), (pod, port)
+            assert all(_admitted(policy, pod, peer, port) for peer in ours), (pod, port)
     for port in (CLIENT_PORT, 8000, 9000):  # the client APIs: coordinator gRPC, OpenAI HTTP, Serve's gRPC proxy
-        assert _admitted(policy, head, None, port) and _admitted(policy, head, outsider, port)
+        assert _admitted(policy, ours[0], None, port) and all(_admitted(policy, ours[0], o, port) for o in outsiders)
 
 
 DASHBOARD = REPO / "deploy" / "grafana" / "specdec_dashboard.json"
