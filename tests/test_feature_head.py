@@ -383,15 +383,17 @@ def test_batched_samples_equal_the_one_at_a_time_path(tiny_dirs, tiny_verifier, 
     assert torch.isfinite(unrolled_loss(head, [silent, batched[1]], 3))
 
 
-def test_cost_curve_times_the_verifier_where_the_drafter_is_a_head(tiny_dirs, head_dir):
-    """A feature head is no causal LM of its own: the cost curve times the verifier engines (a
-    row each per weight format asked for) and leaves the head's steps to the served bench."""
+@pytest.mark.parametrize("drafter", ["head", "suffix"])
+def test_cost_curve_times_the_verifier_where_the_drafter_is_no_causal_lm(tiny_dirs, head_dir, drafter):
+    """A feature head is no causal LM of its own, an n-gram drafter has no model: the cost curve
+    times the verifier engines (a row each per weight format asked for) and leaves the drafter's
+    steps to the served bench."""
     from specdec.bench.cost import run_cost_curve
     from specdec.serving.config import config_from_dict
 
-    config = config_from_dict(
-        {"verifier": {"model": {"source": str(tiny_dirs["verifier"]), "dtype": "int8"}}, "drafter": {"model": str(head_dir)}}
-    )
+    source = str(head_dir) if drafter == "head" else drafter
+    verifier = {"source": str(tiny_dirs["verifier"]), "dtype": "int8"}
+    config = config_from_dict({"verifier": {"model": verifier}, "drafter": {"model": source}})
     rows = run_cost_curve(config, [1, 5, 7, 3, 9, 4], [1, 3], formats=["int8", "q4_1"], repeats=1)
     engines = ("served verifier (int8)", "served verifier (q4_1)", "float32 transformers verifier")
     assert {(r["engine"], r["tokens"]) for r in rows} == {(engine, k) for engine in engines for k in (1, 3)}

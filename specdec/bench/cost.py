@@ -17,6 +17,7 @@ from specdec.bench.stats import paired_geometric_mean
 from specdec.core.engine import TransformersEngine, engine_for
 from specdec.core.feature_head import is_feature_head
 from specdec.core.models import ModelSpec, load_model
+from specdec.core.ngram import is_model_free
 
 
 def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]:
@@ -31,9 +32,9 @@ def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]
         fp32 = ModelSpec(served.source, served.layers, "float32", served.device)
         engines["float32 transformers verifier"] = ("verifier", TransformersEngine(load_model(fp32)))
     drafter = config.drafter.model
-    # A head is no causal LM of its own (its steps show in the served bench's draft_ms); a drafter
-    # of another tokenizer cannot read the verifier's context ids.
-    if not is_feature_head(drafter.source) and config.drafter.tokenizer == "shared":
+    # A head is no causal LM of its own (its steps show in the served bench's draft_ms), an n-gram
+    # drafter has no model, and a drafter of another tokenizer cannot read the verifier's context ids.
+    if not is_feature_head(drafter.source) and not is_model_free(drafter.source) and config.drafter.tokenizer == "shared":
         engines[f"served drafter ({drafter.dtype})"] = ("drafter", engine_for(load_model(drafter), drafter.dtype))
     return engines
 
