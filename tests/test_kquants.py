@@ -1,7 +1,8 @@
-"""The `gguf` weight format (specdec/core/kquants.py): a GGUF file's Q4_K and Q6_K blocks served as
-stored. Their weights equal gguf-py's dequantization bit for bit, the native kernel and the torch
-ops compute the same sums, every row is independent of its pass, and the engine's exactness
-(tree pass = one-token steps, batched = alone) holds on models whose layers mix both formats."""
+"""The `gguf` weight format (specdec/core/kquants.py): a GGUF file's Q4_K and Q6_K blocks, and its
+Q4_0, Q4_1, Q5_0 and Q8_0 blocks (specdec/core/blocks.py), served as stored. Their weights equal
+gguf-py's dequantization bit for bit, the native kernel and the torch ops compute the same sums,
+every row is independent of its pass, and the engine's exactness (tree pass = one-token steps,
+batched = alone) holds on models whose layers mix the formats as real files do."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from specdec.core.blocks import BLOCK_FORMATS, BlockLinear
+from specdec.core.blocks import BLOCK_FORMATS, FILE_BLOCK_TYPES, BlockLinear, dequantize_blocks, file_blocks
 from specdec.core.engine import ForwardCall, LlamaEngine
 from specdec.core.hub import load_model_weights_only
 from specdec.core.int8 import Int8Linear
@@ -19,7 +20,10 @@ from tests.test_engine import assert_tree_pass_equals_one_token_steps
 from tests.tiny_models import build_model_dir
 
 # weights a block holds, its bytes, where its float16 factors lie
-LAYOUTS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q8_0": (32, 34, (0,))}
+LAYOUTS = {
+    "Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)),
+    "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)),
+}
 
 
 def raw_blocks(kind: str, rows: int, columns: int, seed: int, scale: float = 0.01) -> np.ndarray:
@@ -43,6 +47,17 @@ def test_blocks_dequantize_as_gguf_py_does_and_pack_losslessly(kind):
     assert np.array_equal(blocks.dequantize().numpy().view(np.uint32), expected.view(np.uint32))
     (back,) = unpack(*pack(blocks))
     assert all(torch.equal(getattr(back, f), getattr(blocks, f)) for f in ("q", "a", "b", "d", "dmin"))
+
+
+@pytest.mark.parametrize("kind", FILE_BLOCK_TYPES)
+def test_file_blocks_dequantize_as_gguf_py_does(kind):
+    raw = raw_blocks(kind, 48, 512, seed=2)
+    expected = quants.dequantize(raw, getattr(GGMLQuantizationType, kind))
+    q, d, m, bits = file_blocks(raw, kind)
+    assert np.array_equal(dequantize_blocks(q, d, m).numpy().view(np.uint32), expected.view(np.uint32))
+    assert bits == (8 if kind in ("Q5_0", "Q8_0") else 4) and int(q.max()) < 2**bits
+    layer = BlockLinear.from_file_blocks(raw, kind)  # packed as the kernel reads them, and back
+    assert np.array_equal(layer.dequantized_weight().numpy().view(np.uint32), expected.view(np.uint32))
 
 
 def mixed_layer(seed: int) -> tuple[KQuantLinear, KQuantLinear, KQuantLinear]:
@@ -99,26 +114,34 @@ def kquant_model_dir(request, tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp(request.param), seed=3, arch=request.param, width=256)
 
 
-def kquant_model(path, seed: int = 5) -> torch.nn.Module:
-    """The model with its decoder's linears replaced by random K-quant blocks: v and down Q6_K,
-    the rest Q4_K (as a Q4_K_M file stores them); its tiny vocabulary's head int8 (a float head's
-    sums would change with the pass)."""
+# How real files store a layer's linears (the rest: `other`), by the projection they fill.
+Q4_K_M = {"v_proj": "Q6_K", "down_proj": "Q6_K", "other": "Q4_K"}  # the 1.5B's
+Q5_0_MIX = {"v_proj": "Q8_0", "down_proj": "Q6_K", "other": "Q5_0"}  # the 0.5B's (its other half: v Q5_0, down Q4_K)
+
+
+def kquant_model(path, seed: int = 5, kinds: dict[str, str] = Q4_K_M) -> torch.nn.Module:
+    """The model with its decoder's linears replaced by random blocks of `kinds`; its tiny
+    vocabulary's head int8 (a float head's sums would change with the pass)."""
     model = load_model_weights_only(str(path), torch.float32).eval()
     model.lm_head = Int8Linear.from_linear(model.lm_head)
     for index, layer in enumerate(model.model.layers):
         for owner, name in ((layer.self_attn, "q_proj"), (layer.self_attn, "k_proj"), (layer.self_attn, "v_proj"),
                             (layer.self_attn, "o_proj"), (layer.mlp, "gate_proj"), (layer.mlp, "up_proj"), (layer.mlp, "down_proj")):
             linear = getattr(owner, name)
-            kind = "Q6_K" if name in ("v_proj", "down_proj") else "Q4_K"
+            kind = kinds.get(name, kinds["other"])
             raw = raw_blocks(kind, linear.out_features, linear.in_features, seed=seed + 10 * index + len(name), scale=0.004)
             bias = None if linear.bias is None else linear.bias.detach().float()
-            setattr(owner, name, KQuantLinear.from_blocks(decode(raw, kind), bias))
+            if kind.endswith("_K"):
+                setattr(owner, name, KQuantLinear.from_blocks(decode(raw, kind), bias))
+            else:
+                setattr(owner, name, BlockLinear.from_file_blocks(raw, kind, bias))
     return model
 
 
-def test_kquant_tree_pass_equals_one_token_steps_and_batches_equal_alone(kquant_model_dir):
-    engine = LlamaEngine(kquant_model(kquant_model_dir))
-    assert engine.native_layers is not None
+@pytest.mark.parametrize("kinds", [Q4_K_M, Q5_0_MIX], ids=["Q4_K_M", "Q5_0+Q8_0+Q6_K"])
+def test_kquant_tree_pass_equals_one_token_steps_and_batches_equal_alone(kquant_model_dir, kinds):
+    engine = LlamaEngine(kquant_model(kquant_model_dir, kinds=kinds))
+    assert engine.native_layers is not None  # one native layer, whatever the mix
     assert_tree_pass_equals_one_token_steps(engine)
     with torch.inference_mode():
         together = engine.forward_many(_two_calls(engine))
@@ -175,19 +198,42 @@ def test_a_gguf_files_blocks_replace_the_models_linears(kquant_model_dir, tmp_pa
     for name, module in served.items():
         assert torch.equal(module.dequantized_weight(), expected[name]), name
 
+    # The 0.5B's mix: Q5_0 and Q8_0 blocks beside K-quants, a Q8_0 head.
+    mix = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
+    mix.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
+    kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_0",
+             "ffn_down": "Q6_K", "output": "Q8_0"}
+    write_gguf(tmp_path / "mix.gguf", mix, kinds, seed=9)
+    expected = {name: module.weight.detach().clone() for name, module in mix.named_modules() if isinstance(module, torch.nn.Linear)}
+    load_gguf_linears(mix, tmp_path / "mix.gguf")
+    served = {name: module for name, module in mix.named_modules() if isinstance(module, (KQuantLinear, BlockLinear))}
+    assert set(served) == set(expected)
+    assert {type(m).__name__ for n, m in served.items() if "down_proj" in n} == {"KQuantLinear"}
+    assert {type(m).__name__ for n, m in served.items() if "down_proj" not in n} == {"BlockLinear"}
+    for name, module in served.items():
+        assert torch.equal(module.dequantized_weight(), expected[name]), name
+    assert LlamaEngine(mix).native_layers is not None
+
     stranger = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
     stranger.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
     with pytest.raises(ValueError, match="blk.0.attn_q.weight in model.gguf does not dequantize to the model's"):
         load_gguf_linears(stranger, tmp_path / "model.gguf")
-    q8 = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
-    q8.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
-    write_gguf(tmp_path / "q8.gguf", q8, {"ffn_up": "Q8_0"}, seed=8)
-    with pytest.raises(ValueError, match="stores linears as Q8_0; dtype gguf serves Q4_K, Q6_K"):
-        load_gguf_linears(q8, tmp_path / "q8.gguf")
+    q5_1 = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
+    q5_1.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
+    write_gguf(tmp_path / "q5_1.gguf", q5_1, {"ffn_up": "Q5_1"}, seed=8)
+    with pytest.raises(ValueError, match="stores linears as Q5_1; dtype gguf serves Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q8_0"):
+        load_gguf_linears(q5_1, tmp_path / "q5_1.gguf")
+    # K-quants and blocks in one fused q|k|v: no one layer holds both
+    split = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
+    split.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
+    write_gguf(tmp_path / "split.gguf", split, {"attn_v": "Q8_0"}, seed=10)
+    load_gguf_linears(split, tmp_path / "split.gguf")
+    with pytest.raises(ValueError, match=r"different kinds \(BlockLinear, KQuantLinear\) cannot be fused"):
+        LlamaEngine(split)
 
 
 def test_gguf_is_refused_for_a_model_that_is_not_a_gguf_file(kquant_model_dir):
     from specdec.core.models import ModelSpec, UnsupportedModel, load_model
 
-    with pytest.raises(UnsupportedModel, match="dtype gguf serves a GGUF file's own K-quant blocks; .* is not a GGUF file"):
+    with pytest.raises(UnsupportedModel, match="dtype gguf serves a GGUF file's own blocks; .* is not a GGUF file"):
         load_model(ModelSpec(str(kquant_model_dir), dtype="gguf"))

@@ -6,7 +6,9 @@ Q8_0, whose signed q in [-127, 127] is kept as q + 128 in [0, 255], m = -128 d. 
 memory-bound decoder reads 0.625 bytes a weight (4 bits) or 1.125 (8 bits) instead of int8's
 one. A weight matrix is quantized to blocks the way llama.cpp's reference quantizers do, so the
 dequantized weights of a GGUF file in one of these formats give its own blocks back: the model
-served is the file's model as written.
+served is the file's model as written. A GGUF file's own blocks are also read as they are
+(`file_blocks`, for the weight format `gguf`): Q4_0, Q4_1 and Q8_0 as above, and Q5_0 (q in
+[0, 31], w = d (q - 16)) held as 8-bit blocks, q - 16 + 128 with m = -128 d.
 
 Activations are int8 in blocks of 32 with a scale each (as GGUF's Q8 activations), so
   sum x w = sum over blocks of float(sum q xq) (d s) + m (s sum xq),
@@ -15,11 +17,13 @@ alone, and a tree pass gives each node the logits of a one-token step, as with i
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdec.core.kernels import native
 
 BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
+FILE_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # GGUF's block types file_blocks reads
 BLOCK = 32  # weights per block along a row
 _CHANNELS = 16  # output channels per packed group: one vector of the native kernel
 _TINY = 1e-12  # the smallest activation scale: an all-zero block quantizes to zeros
@@ -53,6 +57,34 @@ def quantize_blocks(weight: torch.Tensor, block_format: str) -> tuple[torch.Tens
     q = (blocks * inverse[..., None] + 8.5).to(torch.int32).clamp(max=15)
     d16 = d.half()
     return q.to(torch.uint8).view(n, -1), d16, d16 * -8
+
+
+def file_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(q, d, m, bits) of a GGUF tensor's rows as the file stores them (uint8 [N, K/32 * bytes]),
+    each block's weights exactly the file's: d q + m is gguf-py's dequantization bit for bit
+    (q times a float16 d, and m a multiple of d by a power of two, are exact in float32)."""
+    if kind not in FILE_BLOCK_TYPES:
+        raise ValueError(f"GGUF block types read as they are: {', '.join(FILE_BLOCK_TYPES)}, not {kind}")
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q, m = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128, -128 * d
+    else:
+        nibbles = blocks[..., -16:]  # weight j in the low nibble of byte j, weight 16 + j in the high one
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int16)
+        if kind == "Q4_1":
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        elif kind == "Q4_0":
+            m = -8 * d
+        else:  # Q5_0: bit j of a little-endian 32-bit word is weight j's fifth
+            fifth = (blocks[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+            q, m = (q | (fifth << 4)) - 16 + 128, -128 * d
+    if not np.isfinite(m.astype(np.float16)).all():
+        raise ValueError(f"a {kind} block's d is too large to serve (its m overflows float16)")
+    arrays = (q.astype(np.uint8).reshape(n, -1), d.astype(np.float16), m.astype(np.float16))
+    q, d, m = (torch.from_numpy(np.ascontiguousarray(t)) for t in arrays)
+    return q, d, m, 8 if kind in ("Q5_0", "Q8_0") else 4
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -132,12 +164,24 @@ class BlockLinear(torch.nn.Module):
         return cls(q, d, m, bias, linear.in_features, 8 if block_format == "q8_0" else 4)
 
     @classmethod
+    def from_file_blocks(cls, raw: np.ndarray, kind: str, bias: torch.Tensor | None = None) -> "BlockLinear":
+        """A GGUF tensor's own blocks (file_blocks) as a layer."""
+        q, d, m, bits = file_blocks(raw, kind)
+        return cls(q, d, m, bias, q.shape[1], bits)
+
+    @classmethod
     def side_by_side(cls, parts: list["BlockLinear"]) -> "BlockLinear":
-        """One layer computing several of the same input (q|k|v, gate|up), all of one format."""
+        """One layer computing several of the same input (q|k|v, gate|up): 8-bit blocks if any
+        part has them (a 4-bit q holds in 8 bits as it is)."""
         blocks = [unpack(p.packed, p.out_features) for p in parts]
         biases = [p.bias for p in parts]
         bias = None if biases[0] is None else torch.cat(biases)
-        return cls(*(torch.cat(column) for column in zip(*blocks)), bias, parts[0].in_features, packed_bits(parts[0].packed))
+        bits = max(packed_bits(p.packed) for p in parts)
+        return cls(*(torch.cat(column) for column in zip(*blocks)), bias, parts[0].in_features, bits)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weights [out, in] the blocks stand for."""
+        return dequantize_blocks(*unpack(self.packed, self.out_features))[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()

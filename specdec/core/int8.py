@@ -115,6 +115,8 @@ def quantize_linears(
 
 
 _NATIVE_KINDS = (Int8Linear, BlockLinear, KQuantLinear)  # linears the native decoder layer multiplies
+# Kinds one native decoder layer may mix (a GGUF file's layers: Q5_0 blocks beside a Q6_K down).
+_NATIVE_MIXES = ((Int8Linear,), (BlockLinear, KQuantLinear))
 
 
 def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
@@ -122,6 +124,10 @@ def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
     for kind in _NATIVE_KINDS:
         if all(isinstance(p, kind) for p in parts):
             return kind.side_by_side(parts)
+    if any(isinstance(p, _NATIVE_KINDS) for p in parts):  # no float matrix to concatenate
+        kinds = ", ".join(sorted({type(p).__name__ for p in parts}))
+        raise ValueError(f"linears of one input in different kinds ({kinds}) cannot be fused: a GGUF file whose q, k and v "
+                         "(or gate and up) mix K-quants and block types is not served as dtype gguf (int8 reads it)")
     bias = parts[0].bias is not None
     fused = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias, dtype=parts[0].weight.dtype)
     fused.weight.data = torch.cat([p.weight.detach() for p in parts])
@@ -165,10 +171,10 @@ def _native_tensors(linear, empty: torch.Tensor) -> list[torch.Tensor]:
 
 
 def native_layer(input_norm, qkv, o, post_norm, gate_up, down, eps: float) -> NativeLayer | None:
-    """The layer for the native kernel, or None where it does not apply (weights not all of one
-    kind: int8, blocks or K-quants; no kernels; not on the CPU)."""
+    """The layer for the native kernel, or None where it does not apply (weights not all int8 or
+    all blocks and K-quants; no kernels; not on the CPU)."""
     linears = (qkv, o, gate_up, down)
-    if native() is None or not any(all(isinstance(m, kind) for m in linears) for kind in _NATIVE_KINDS):
+    if native() is None or not any(all(isinstance(m, kinds) for m in linears) for kinds in _NATIVE_MIXES):
         return None
     if not all(m.kernels is not None and m.packed.device.type == "cpu" for m in linears):
         return None

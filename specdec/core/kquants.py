@@ -1,4 +1,6 @@
-"""The weight format `gguf`: a GGUF file's K-quant tensors (Q4_K, Q6_K) served as the file stores them.
+"""The weight format `gguf`: a GGUF file's tensors served as the file stores them, each in its own
+format: K-quants (Q4_K, Q6_K) here, and the block types Q4_0, Q4_1, Q5_0 and Q8_0 through
+specdec/core/blocks.py (`file_blocks`).
 
 Along each row, super-blocks of 256 weights carry float16 factors d and dmin and, per 16
 weights, small integer factors a and b, so that every weight is
@@ -21,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.core.blocks import FILE_BLOCK_TYPES, BlockLinear, dequantize_blocks, file_blocks
 from specdec.core.kernels import native
 
 KQUANT_TYPES = ("Q4_K", "Q6_K")
+GGUF_TYPES = (*KQUANT_TYPES, *FILE_BLOCK_TYPES)  # what dtype gguf serves as stored
 SUPER = 256  # weights per super-block along a row
 _CHANNELS = 16  # output channels per packed group: one vector of the native kernel
 _FORMAT_CODES = {"Q4_K": 0, "Q6_K": 1}  # engine_cpu.cpp's KFormat
@@ -250,18 +254,19 @@ def _llama_rows(n: int, heads: int) -> np.ndarray:
 
 def load_gguf_linears(model: torch.nn.Module, gguf_path: Path) -> None:
     """Replaces the decoder's linears and the LM head of `model` (loaded from the same file's
-    dequantized copy) by KQuantLinear layers holding the file's own blocks. Refuses a file whose
-    linears are stored in another format, and checks each tensor's first rows against the
-    model's weights (the same file, dequantized by transformers)."""
+    dequantized copy) by layers holding the file's own blocks: KQuantLinear for K-quants,
+    BlockLinear for block types. Refuses a file whose linears are stored in another format, and
+    checks each tensor's first rows against the model's weights (the same file, dequantized by
+    transformers)."""
     from gguf import GGUFReader
 
     config = model.config
     tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
     targets = {f"blk.{i}.{g}.weight": f"model.layers.{i}.{m}" for i in range(config.num_hidden_layers) for g, m in _GGUF_LINEARS.items()}
     targets["output.weight" if "output.weight" in tensors else "token_embd.weight"] = "lm_head"
-    others = sorted({tensors[name].tensor_type.name for name in targets if tensors[name].tensor_type.name not in KQUANT_TYPES})
+    others = sorted({tensors[name].tensor_type.name for name in targets if tensors[name].tensor_type.name not in GGUF_TYPES})
     if others:
-        raise ValueError(f"{gguf_path.name} stores linears as {', '.join(others)}; dtype gguf serves {', '.join(KQUANT_TYPES)} "
+        raise ValueError(f"{gguf_path.name} stores linears as {', '.join(others)}; dtype gguf serves {', '.join(GGUF_TYPES)} "
                          f"(int8 reads any file)")
     modules = dict(model.named_modules())
     for name, target in targets.items():
@@ -270,13 +275,19 @@ def load_gguf_linears(model: torch.nn.Module, gguf_path: Path) -> None:
         if config.model_type == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if name.split(".")[-2] == "attn_q" else config.num_key_value_heads
             raw = raw[_llama_rows(raw.shape[0], heads)]
-        blocks = decode(raw, tensor.tensor_type.name)
         module = modules[target]
-        sample = slice(0, min(_CHANNELS, blocks.q.shape[0]))
+        sample = slice(0, min(_CHANNELS, raw.shape[0]))
         expected = module.weight.detach()[sample].float()
-        check = KBlocks(blocks.kind, *(t[sample] for t in (blocks.q, blocks.a, blocks.b, blocks.d, blocks.dmin)))
-        if not torch.equal(check.dequantize(), expected):
-            raise ValueError(f"{name} in {gguf_path.name} does not dequantize to the model's {target}.weight")
         bias = None if getattr(module, "bias", None) is None else module.bias.detach().float()
+        kind = tensor.tensor_type.name
+        if kind in KQUANT_TYPES:
+            blocks = decode(raw, kind)
+            check = KBlocks(blocks.kind, *(t[sample] for t in (blocks.q, blocks.a, blocks.b, blocks.d, blocks.dmin))).dequantize()
+            served = KQuantLinear.from_blocks(blocks, bias)
+        else:
+            check = dequantize_blocks(*file_blocks(raw[sample], kind)[:3])
+            served = BlockLinear.from_file_blocks(raw, kind, bias)
+        if not torch.equal(check, expected):
+            raise ValueError(f"{name} in {gguf_path.name} does not dequantize to the model's {target}.weight")
         parent, _, child = target.rpartition(".")
-        setattr(modules[parent] if parent else model, child, KQuantLinear.from_blocks(blocks, bias))
+        setattr(modules[parent] if parent else model, child, served)

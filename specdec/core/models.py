@@ -75,7 +75,7 @@ def _gguf_path(spec: ModelSpec) -> Path:
     """The GGUF file whose own blocks dtype `gguf` serves."""
     gguf = gguf_file_of(spec.source)
     if gguf is None:
-        raise UnsupportedModel(f"dtype gguf serves a GGUF file's own K-quant blocks; {spec.source} is not a GGUF file")
+        raise UnsupportedModel(f"dtype gguf serves a GGUF file's own blocks; {spec.source} is not a GGUF file")
     return gguf
 
 

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <variant>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -1669,15 +1670,30 @@ constexpr size_t kKeptElements = size_t(1) << 20;
 // values[i]), attending under masks[i] ([counts[i], starts[i] + counts[i]] bool; empty = causal).
 // Every row's result depends on that row and its own cache alone, so sequences batched
 // together get exactly what each gets alone. Returns the new x.
+// A linear of a GGUF file's layer, each tensor in its own format: blocks (q4_0, q4_1, q8_0, and
+// Q5_0 held as 8-bit blocks) or K-quants (Q4_K, Q6_K); a layer may mix them (a Q5_0 q|k|v beside a
+// Q6_K down).
+struct GgufLayer {
+  std::variant<BlockLayer, KQuantLayer> layer;
+
+  template <typename MakeRow>
+  void quantize(int64_t rows, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& scales) const {
+    std::visit([&](const auto& linear) { linear.quantize(rows, k, make_row, xq, scales); }, layer);
+  }
+
+  void multiply(const std::vector<uint8_t>& xq, const std::vector<float>& scales, int64_t rows, float* out) const {
+    std::visit([&](const auto& linear) { linear.multiply(xq, scales, rows, out); }, layer);
+  }
+};
+
 // A linear layer of a LayerWeights: its five tensors from index i (Int8Layer: packed, sums,
-// scale, bias, smoothing; BlockLayer: packed, bias, then three unused; KQuantLayer: packed,
-// groups, bias, then two unused).
+// scale, bias, smoothing; BlockLayer: packed [groups, blocks, bytes], bias, then three unused;
+// KQuantLayer: packed (flat), groups, bias, then two unused).
 template <typename Layer>
 Layer layer_linear(const std::vector<torch::Tensor>& weights, int i, int64_t width) {
-  if constexpr (std::is_same_v<Layer, BlockLayer>) {
-    return BlockLayer(weights[i], weights[i + 1], width);
-  } else if constexpr (std::is_same_v<Layer, KQuantLayer>) {
-    return KQuantLayer(weights[i], weights[i + 1], weights[i + 2], width);
+  if constexpr (std::is_same_v<Layer, GgufLayer>) {
+    if (weights[i].dim() == 1) return GgufLayer{KQuantLayer(weights[i], weights[i + 1], weights[i + 2], width)};
+    return GgufLayer{BlockLayer(weights[i], weights[i + 1], width)};
   } else {
     return Int8Layer(weights[i], weights[i + 1], weights[i + 2], weights[i + 3], weights[i + 4], width);
   }
@@ -1766,17 +1782,13 @@ torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::T
   return out;
 }
 
-// One Llama-family decoder layer with int8, block or K-quant linears (decoder_layer), by the
-// layer's packed weights: int8 for int8, uint8 [groups, blocks, bytes] for block formats, a flat
-// uint8 stream for K-quants.
+// One Llama-family decoder layer with int8 linears, or with block and K-quant ones in any mix
+// (decoder_layer), by the layer's packed weights: int8 for int8, uint8 for the others.
 torch::Tensor native_decoder_layer(torch::Tensor x, const LayerWeights& layer, torch::Tensor cos, torch::Tensor sin,
                                    std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> starts,
                                    std::vector<int64_t> counts, std::vector<torch::Tensor> masks, int64_t heads,
                                    c10::optional<torch::Tensor> delta) {
-  const torch::Tensor& packed = layer.weights[1];
-  const auto run = packed.dtype() != torch::kUInt8 ? &decoder_layer<Int8Layer>
-                   : packed.dim() == 1            ? &decoder_layer<KQuantLayer>
-                                                  : &decoder_layer<BlockLayer>;
+  const auto run = layer.weights[1].dtype() != torch::kUInt8 ? &decoder_layer<Int8Layer> : &decoder_layer<GgufLayer>;
   return run(x, layer, cos, sin, keys, values, starts, counts, masks, heads, delta);
 }
 
