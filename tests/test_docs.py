@@ -96,4 +96,4 @@ def test_the_deploy_configs_load(config):
 
 
 def test_the_coder_configs_are_found():
-    assert {p.name for p in SERVE_CONFIGS} == {"qwen2.5-coder.yaml", "qwen2.5-coder-smollm2.yaml"}
+    assert {p.name for p in SERVE_CONFIGS} == {"qwen2.5-coder.yaml", "qwen2.5-coder-smollm2.yaml", "qwen2.5-coder-0.5b.yaml"}
