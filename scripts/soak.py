@@ -175,7 +175,7 @@ def run_soak(args, address: str) -> bool:
     for thread in threads:
         thread.start()
     while any(t.is_alive() for t in threads):
-        time.sleep(30)
+        time.sleep(min(30.0, max(1.0, soak.until - time.monotonic())))
         print(f"{(time.monotonic() - started) / 60:.1f} min: {dict(soak.outcomes)}, unexpected {len(soak.unexpected)}", flush=True)
     after, settled = service_state(), time.monotonic() + 30  # EndSession calls are fire and forget
     while any(s["sessions"] for s in after.values()) and time.monotonic() < settled:

@@ -3,8 +3,12 @@ SmolLM2 pair (the verifier in int8), and a plain gRPC client that knows only the
 exactly what the served verifier alone decodes, one token per call."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.core.hub import BUILTIN_SMOLLM2
 from specdec.core.models import ModelSpec, hf_greedy, load_model, load_tokenizer
-from specdec.core.prompts import chat_ids
+from specdec.core.prompts import PACKAGED_PROMPTS, chat_ids
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import free_port
 
@@ -174,3 +178,23 @@ def test_serves_grpc_proxy_routes_the_coordinator_api(ray_stack, serve_ports):
         with pytest.raises(grpc.RpcError) as refused:
             stub.Generate(coordinator_pb2.GenerateRequest(prompt="Hi", temperature=-1), timeout=60, metadata=metadata)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in refused.value.details()
+
+
+@pytest.mark.e2e
+def test_a_short_soak_counts_every_request_and_leaves_no_session(ray_stack, tmp_path):
+    """scripts/soak.py against the stack for a few seconds (greedy, sampled, cancelled and bad
+    requests mixed): every greedy output exact, nothing unexpected, no session left, its report
+    written and its verdict true."""
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[1] / "scripts" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    out = tmp_path / "soak.json"
+    args = argparse.Namespace(
+        minutes=0.1, concurrency=3, max_new_tokens=8, num_prompts=2, prompts=str(PACKAGED_PROMPTS), config=None,
+        out=str(out), address=None, cluster=False,
+    )
+    assert soak.run_soak(args, ray_stack)
+    report = json.loads(out.read_text())
+    assert report["unexpected_count"] == 0 and report["sessions_left"] == 0
+    assert report["requests"] == sum(report["outcomes"].values()) > 0
+    assert {"verifier", "drafter"} == set(report["services_end"]) and report["services_end"]["verifier"]["resident_mib"] > 0
