@@ -183,49 +183,53 @@ def write_gguf(path, model, kinds: dict[str, str], seed: int) -> dict[str, np.nd
     return raws
 
 
+def _untied(path) -> torch.nn.Module:
+    """The tiny model with an LM head of its own (16-row groups), as a GGUF file's `output` fills it."""
+    model = load_model_weights_only(str(path), torch.float32).eval()
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, 16 * (model.config.vocab_size // 16 + 1), bias=False)
+    model.config.tie_word_embeddings = False
+    return model
+
+
+def _load_and_compare(model, path) -> dict[str, torch.nn.Module]:
+    """load_gguf_linears(model, path), checking every linear now holds exactly the weights it had
+    (what the file dequantizes to); returns the served layers by name."""
+    expected = {name: module.weight.detach().clone() for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    load_gguf_linears(model, path)
+    served = {name: module for name, module in model.named_modules() if isinstance(module, (KQuantLinear, BlockLinear))}
+    assert set(served) == set(expected)
+    for name, module in served.items():
+        assert torch.equal(module.dequantized_weight(), expected[name]), name
+    return served
+
+
 def test_a_gguf_files_blocks_replace_the_models_linears(kquant_model_dir, tmp_path):
     """load_gguf_linears reads each tensor's own blocks (llama's q and k rows in transformers'
     order), so the served weights are the file's; a model that is not the file's, or a file
     storing its linears in another format, is refused with the tensor named."""
-    model = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
-    model.lm_head = torch.nn.Linear(model.config.hidden_size, 16 * (model.config.vocab_size // 16 + 1), bias=False)
-    model.config.tie_word_embeddings = False
+    model = _untied(kquant_model_dir)
     write_gguf(tmp_path / "model.gguf", model, {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}, seed=7)
-    expected = {name: module.weight.detach().clone() for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    load_gguf_linears(model, tmp_path / "model.gguf")
-    served = {name: module for name, module in model.named_modules() if isinstance(module, KQuantLinear)}
-    assert set(served) == set(expected)
-    for name, module in served.items():
-        assert torch.equal(module.dequantized_weight(), expected[name]), name
+    served = _load_and_compare(model, tmp_path / "model.gguf")
+    assert {type(m).__name__ for m in served.values()} == {"KQuantLinear"}
 
     # The 0.5B's mix: Q5_0 and Q8_0 blocks beside K-quants, a Q8_0 head.
-    mix = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
-    mix.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
+    mix = _untied(kquant_model_dir)
     kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_0",
              "ffn_down": "Q6_K", "output": "Q8_0"}
     write_gguf(tmp_path / "mix.gguf", mix, kinds, seed=9)
-    expected = {name: module.weight.detach().clone() for name, module in mix.named_modules() if isinstance(module, torch.nn.Linear)}
-    load_gguf_linears(mix, tmp_path / "mix.gguf")
-    served = {name: module for name, module in mix.named_modules() if isinstance(module, (KQuantLinear, BlockLinear))}
-    assert set(served) == set(expected)
+    served = _load_and_compare(mix, tmp_path / "mix.gguf")
     assert {type(m).__name__ for n, m in served.items() if "down_proj" in n} == {"KQuantLinear"}
     assert {type(m).__name__ for n, m in served.items() if "down_proj" not in n} == {"BlockLinear"}
-    for name, module in served.items():
-        assert torch.equal(module.dequantized_weight(), expected[name]), name
     assert LlamaEngine(mix).native_layers is not None
 
-    stranger = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
-    stranger.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
     with pytest.raises(ValueError, match="blk.0.attn_q.weight in model.gguf does not dequantize to the model's"):
-        load_gguf_linears(stranger, tmp_path / "model.gguf")
-    q5_1 = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
-    q5_1.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
+        load_gguf_linears(_untied(kquant_model_dir), tmp_path / "model.gguf")
+    q5_1 = _untied(kquant_model_dir)
     write_gguf(tmp_path / "q5_1.gguf", q5_1, {"ffn_up": "Q5_1"}, seed=8)
     with pytest.raises(ValueError, match="stores linears as Q5_1; dtype gguf serves Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q8_0"):
         load_gguf_linears(q5_1, tmp_path / "q5_1.gguf")
     # K-quants and blocks in one fused q|k|v: no one layer holds both
-    split = load_model_weights_only(str(kquant_model_dir), torch.float32).eval()
-    split.lm_head = torch.nn.Linear(model.config.hidden_size, model.lm_head.out_features, bias=False)
+    split = _untied(kquant_model_dir)
     write_gguf(tmp_path / "split.gguf", split, {"attn_v": "Q8_0"}, seed=10)
     load_gguf_linears(split, tmp_path / "split.gguf")
     with pytest.raises(ValueError, match=r"different kinds \(BlockLinear, KQuantLinear\) cannot be fused"):

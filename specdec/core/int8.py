@@ -114,9 +114,10 @@ def quantize_linears(
             quantize_linears(child, input_ranges, block_format, f"{qualified}.")
 
 
-_NATIVE_KINDS = (Int8Linear, BlockLinear, KQuantLinear)  # linears the native decoder layer multiplies
-# Kinds one native decoder layer may mix (a GGUF file's layers: Q5_0 blocks beside a Q6_K down).
+# The linears the native decoder layer multiplies, by the kinds one layer may mix (a GGUF file's
+# layers: Q5_0 blocks beside a Q6_K down).
 _NATIVE_MIXES = ((Int8Linear,), (BlockLinear, KQuantLinear))
+_NATIVE_KINDS = tuple(kind for mix in _NATIVE_MIXES for kind in mix)
 
 
 def fused_linear(parts: list[torch.nn.Module]) -> torch.nn.Module:
