@@ -729,7 +729,13 @@ template <int Format>
 constexpr int64_t factors_at() { return Format == kQ4K ? 2048 : 3072; }
 template <int Format>
 constexpr int64_t super_bytes() { return factors_at<Format>() + 256 + 64; }
-constexpr int kKRows = 4;  // rows whose sums stay in registers through a pass over a group's weights
+// Rows whose sums stay in registers through a pass over a group's weights: with VNNI a row
+// holds one accumulator at a time (ia, then ib), so 16 fit beside a sub-block's unpacked steps.
+#if defined(__AVX512VNNI__)
+constexpr int kKRows = 16;
+#else
+constexpr int kKRows = 4;
+#endif
 
 inline int32_t load4(const void* p) {
   int32_t v;
@@ -739,9 +745,43 @@ inline int32_t load4(const void* p) {
 
 // One row's activations for the K-quant layers: xq (k int8), per super-block s = max|x| / 127 and
 // xq = round(x / s), and the sums of each 16 of xq (int16).
+// Every path divides and rounds to nearest even alike, so all give the same integers.
 void quantize_super(const float* x, int64_t k, int8_t* xq, float* scales, int16_t* sums16) {
   for (int64_t b = 0; b * kSuper < k; ++b) {
     const float* xb = x + b * kSuper;
+#if defined(__AVX512F__)
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kSuper; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+    const float scale = std::max(_mm512_reduce_max_ps(top), 1e-12f) / 127.f;
+    scales[b] = scale;
+    const __m512 divisor = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < kSuper / 16; ++g) {
+      const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xb + g * 16), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i q = _mm512_cvtps_epi32(rounded);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kSuper + g * 16), _mm512_cvtepi32_epi8(q));
+      sums16[b * (kSuper / 16) + g] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
+    }
+#elif defined(__AVX2__)
+    const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kSuper; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(xb + i), magnitude_bits));
+    const float scale = std::max(max_of(top), 1e-12f) / 127.f;
+    scales[b] = scale;
+    const __m256 divisor = _mm256_set1_ps(scale);
+    for (int64_t g = 0; g < kSuper / 16; ++g) {
+      __m256i q[2];
+      for (int h = 0; h < 2; ++h)
+        q[h] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + g * 16 + h * 8), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // int32 -> int16 -> int8 (values within [-127, 127]: no saturation), back in lane order
+      const __m256i packed16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+      const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(packed16), _mm256_extracti128_si256(packed16, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kSuper + g * 16), bytes);
+      const __m256i sum8 = _mm256_add_epi32(q[0], q[1]);
+      const __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+      const __m128i sum2 = _mm_add_epi32(sum4, _mm_unpackhi_epi64(sum4, sum4));
+      sums16[b * (kSuper / 16) + g] = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_add_epi32(sum2, _mm_shuffle_epi32(sum2, 1))));
+    }
+#else
     float largest = 0.f;
     for (int64_t i = 0; i < kSuper; ++i) largest = std::max(largest, std::fabs(xb[i]));
     const float scale = std::max(largest, 1e-12f) / 127.f;
@@ -755,6 +795,7 @@ void quantize_super(const float* x, int64_t k, int8_t* xq, float* scales, int16_
       }
       sums16[b * (kSuper / 16) + g] = static_cast<int16_t>(sum);
     }
+#endif
   }
 }
 
@@ -764,7 +805,102 @@ template <int Format, int R>
 void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sums16, const uint8_t* w, int64_t supers, float* out) {
   constexpr int64_t kBytes = super_bytes<Format>();
   constexpr int64_t kFactors = factors_at<Format>();
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__)
+  // vpdpbusd: unsigned q times xq, four inputs a lane, summed to int32 (exact). A sub-block's
+  // eight steps are unpacked once and serve every row; each row's sums of a sub-block (or of
+  // each half, Q6_K) times its factors a go to ia (vpmulld); then the rows' ib, the pair sums
+  // of xq times the factors b (vpdpwssd). A row keeps one accumulator in registers at a time,
+  // and its total in `out` (ia's term, then ib's: the scalar path's order).
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_pair = _mm512_set1_epi8(0x30);
+  const auto x4 = [&](int r, int64_t at) { return _mm512_set1_epi32(load4(x + r * k + at)); };
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, _mm512_setzero_ps());
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* wb = w + sb * kBytes;
+    for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 16 * kBytes + 64 * line), _MM_HINT_T1);
+    const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + kFactors + 256);
+    __m512i acc[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* nibbles = wb + j * 256;
+      const int8_t* factors = reinterpret_cast<const int8_t*>(wb + kFactors + j * 32);
+      const int64_t at = sb * kSuper + j * 32;  // this sub-block's first input
+      __m512i q[8];  // step s: inputs 4s..4s+3 of the sub-block
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m512i packed = _mm512_loadu_si512(nibbles + i * 64);
+        q[i] = _mm512_and_si512(packed, low_nibbles);
+        q[i + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      }
+      if constexpr (Format == kQ6K) {
+        // step s's two high bits: bits 2 (s / 2) of high plane s % 2
+        const __m512i high[2] = {_mm512_loadu_si512(wb + 2048 + j * 128), _mm512_loadu_si512(wb + 2048 + j * 128 + 64)};
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const __m512i up = i < 2 ? _mm512_slli_epi16(high[i % 2], 4) : _mm512_slli_epi16(high[i % 2], 2);
+          const __m512i down = i < 2 ? high[i % 2] : _mm512_srli_epi16(high[i % 2], 2);
+          q[i] = _mm512_or_si512(q[i], _mm512_and_si512(up, high_pair));
+          q[i + 4] = _mm512_or_si512(q[i + 4], _mm512_and_si512(down, high_pair));
+        }
+        // (a of inputs 0-15, a of 16-31) of a channel: one 32-bit lane of int16 pairs
+        const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(factors)));
+        const __m512i a_low = _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16), a_high = _mm512_srai_epi32(pairs, 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], x4(r, at));
+          __m512i top = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], x4(r, at + 16));
+#pragma GCC unroll 3
+          for (int s = 1; s < 4; ++s) {
+            low = _mm512_dpbusd_epi32(low, q[s], x4(r, at + 4 * s));
+            top = _mm512_dpbusd_epi32(top, q[s + 4], x4(r, at + 16 + 4 * s));
+          }
+          acc[r] = _mm512_add_epi32(acc[r], _mm512_add_epi32(_mm512_mullo_epi32(low, a_low), _mm512_mullo_epi32(top, a_high)));
+        }
+      } else {
+        const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(factors)));
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], x4(r, at));
+          __m512i top = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], x4(r, at + 16));
+#pragma GCC unroll 3
+          for (int s = 1; s < 4; ++s) {
+            low = _mm512_dpbusd_epi32(low, q[s], x4(r, at + 4 * s));
+            top = _mm512_dpbusd_epi32(top, q[s + 4], x4(r, at + 16 + 4 * s));
+          }
+          acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(_mm512_add_epi32(low, top), a));
+        }
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + 16)));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(xs[r * supers + sb]);
+      _mm512_storeu_ps(out + r * kBlock, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dv, s), _mm512_loadu_ps(out + r * kBlock)));
+      acc[r] = _mm512_setzero_si512();
+    }
+    // ib: per sub-block, the factors b of a channel as an int16 pair (Q4_K: b, b; Q6_K: the two
+    // halves' a) times the row's pair of sums of 16 xq
+    for (int j = 0; j < 8; ++j) {
+      const int8_t* factors = reinterpret_cast<const int8_t*>(wb + kFactors + j * 32);
+      __m512i b;
+      if constexpr (Format == kQ6K) {
+        b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(factors)));
+      } else {
+        const __m128i b16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors + 16));
+        b = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(b16, b16), _mm_unpacklo_epi8(b16, b16)));
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpwssd_epi32(acc[r], b, _mm512_set1_epi32(load4(sums16 + r * (k / 16) + sb * 16 + j * 2)));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(xs[r * supers + sb]);
+      _mm512_storeu_ps(out + r * kBlock, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(mv, s), _mm512_loadu_ps(out + r * kBlock)));
+    }
+  }
+#elif defined(__AVX2__)
   // vpmaddubsw: unsigned q (at most 63) times xq, pairs summed to int16 (at most 2 * 63 * 127);
   // those summed in int16 while they cannot overflow (Q4_K: all 8 steps of a sub-block, at most
   // 8 * 2 * 15 * 127; Q6_K: two steps), then vpmaddwd by the sub-block factors to int32.
