@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from specdec.core.engine import ForwardCall, KVCache, LlamaEngine
 from specdec.core.int8 import Int8Linear, quantize_linears
 from specdec.core.hub import load_model_weights_only
-from specdec.core.kernels import native
+from specdec.core.kernels import KERNEL_SOURCE, build, native
 from specdec.core.tree import DraftTree, verification_inputs
 from tests.tiny_models import build_model_dir
 
@@ -50,6 +50,28 @@ def test_int8_linear_sums_exactly_with_either_kernel(kernels):
     exact = (rows.double() @ weight.double().t()).float() * (x.abs().amax(dim=1, keepdim=True) / 127)
     assert torch.equal(quantized(x), exact)
     assert torch.equal(quantized(x[:1]), exact[:1])
+
+
+def test_int8_tiles_give_the_vector_paths_bits():
+    """AMX's tiles (this CPU's, where it has them, and their emulated twin on any CPU) give every
+    row of every pass the sums the vector path gives: row groups of 4-16 and past 16, channels
+    in sets of four blocks and a partial set; the scalar build (x86-64) is the reference."""
+    scalar = build(KERNEL_SOURCE.read_text(), "x86-64")
+    emulated = build(KERNEL_SOURCE.read_text(), "x86-64", emulate=("amx",))
+    builds = {"emulated tiles": emulated, **({"this CPU's tiles": native()} if native().tiles() else {})}
+    torch.manual_seed(0)
+    quantized = Int8Linear.from_linear(torch.nn.Linear(512, 16 * 9 + 5))  # 10 blocks: two sets of four and a part
+    for name, kernels in builds.items():
+        assert kernels.tiles(), name
+        for rows in (1, 4, 5, 16, 17, 33):
+            x = torch.randn(rows, 512) * 4
+            quantized.kernels = scalar
+            expected = quantized(x)
+            quantized.kernels = kernels
+            assert torch.equal(quantized(x), expected), (name, rows)
+            kernels.tiles(False)
+            assert torch.equal(quantized(x), expected), (name, rows, "tiles off")
+            kernels.tiles(True)
 
 
 @pytest.fixture(params=["int8", "q4_1", "q8_0"])

@@ -86,15 +86,19 @@ def test_native_kernel_sums_what_the_torch_ops_sum_and_each_row_alone():
     assert (native - dense).abs().max() < 0.02 * dense.abs().max()
 
 
-@pytest.mark.slow  # two extra builds of the kernels, a minute each
+@pytest.mark.slow  # extra builds of the kernels, a minute each (AVX-512 emulated: several)
 def test_every_instruction_set_computes_the_same_bits():
-    """The kernels' scalar paths (-march=x86-64), AVX2's (x86-64-v3), AVX-512's where this CPU has
-    it (x86-64-v4) and this CPU's own (VNNI where it has it) give every GGUF format's layers the
-    same outputs bit for bit, row by row: a served model's tokens do not depend on its machine."""
-    marches = ["x86-64", "x86-64-v3", *(["x86-64-v4"] if " avx512bw" in _cpu_flags() else []), "native"]
-    builds = {march: build(KERNEL_SOURCE.read_text(), march) for march in marches}
+    """The kernels' scalar paths (-march=x86-64), AVX2's (x86-64-v3), AVX-512 with VNNI emulated
+    by SIMDe on AVX2 (so its paths are checked on any x86), AVX-512's where this CPU has it
+    (x86-64-v4), AMX's tiles emulated, and this CPU's own (VNNI, tiles where it has them) give
+    every GGUF format's layers and the int8 layer the same outputs bit for bit, row by row: a
+    served model's tokens do not depend on its machine."""
+    marches = [("x86-64", ()), ("x86-64", ("amx",)), ("x86-64-v3", ()), ("x86-64-v3", ("avx512",)),
+               *([("x86-64-v4", ())] if " avx512bw" in _cpu_flags() else []), ("native", ())]
+    builds = {f"{march}{'+' if emulate else ''}{'+'.join(emulate)}": build(KERNEL_SOURCE.read_text(), march, emulate)
+              for march, emulate in marches}
     fused, _, _ = mixed_layer(seed=3)
-    layers = {"Q4_K|Q6_K": fused}
+    layers = {"Q4_K|Q6_K": fused, "int8": Int8Linear.from_linear(torch.nn.Linear(768, 200))}
     layers.update({f: BlockLinear.from_linear(torch.nn.Linear(768, 200), f) for f in BLOCK_FORMATS})
     torch.manual_seed(1)
     x = torch.randn(19, 768) * 3

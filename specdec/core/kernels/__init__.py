@@ -17,9 +17,22 @@ log = logging.getLogger(__name__)
 KERNEL_SOURCE = Path(__file__).with_name("engine_cpu.cpp")
 
 
-def _flags(march: str) -> list[str]:
+# What build(emulate=...) can emulate: AVX-512 with VNNI through SIMDe's headers (the simde-py
+# package, a test dependency), AMX's tiles in plain C++.
+EMULATED = {"avx512": "-DSPECDEC_SIMDE", "amx": "-DSPECDEC_EMULATE_AMX"}
+
+
+def _flags(march: str, emulate: tuple[str, ...] = ()) -> list[str]:
     """No fused multiply-add the source did not write."""
-    return ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"]
+    # an emulated build checks results, not speed: -O1 compiles SIMDe's headers in a fraction of -O3's time
+    flags = ["-O1" if "avx512" in emulate else "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"]
+    for isa in emulate:
+        flags.append(EMULATED[isa])
+        if isa == "avx512":
+            import simde_py
+
+            flags.append(f"-I{simde_py.get_include()}")
+    return flags
 
 
 def _cpu_flags() -> str:
@@ -44,15 +57,17 @@ def native():
         return None
 
 
-def build(source: str, march: str = "native"):
+def build(source: str, march: str = "native", emulate: tuple[str, ...] = ()):
     """The kernels compiled from `source` (the text of an engine_cpu.cpp) for `march` (GCC's
     -march: the CPU it runs on by default; "x86-64" gives the scalar paths, "x86-64-v3" the AVX2
     ones, for tests on a CPU that has more), built once per source text, compiler flags and CPU
     (-march=native code must not move to a CPU without the same instructions) and cached; a
-    module of its own, so builds of two versions load side by side (scripts/kernel_ab.py)."""
+    module of its own, so builds of two versions load side by side (scripts/kernel_ab.py).
+    `emulate` names instruction sets (EMULATED) built without the CPU's help, so their paths run,
+    and are tested, on any x86 CPU."""
     from torch.utils.cpp_extension import load
 
-    flags = _flags(march)
+    flags = _flags(march, emulate)
     key = hashlib.sha256(f"{source}{flags}{_cpu_flags()}".encode()).hexdigest()[:12]
     directory = cache_dir() / "kernels" / key
     directory.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,93 @@
 #include <variant>
 #include <vector>
 
+#if defined(SPECDEC_SIMDE)
+// AVX-512 (F, BW, VL, DQ and VNNI) emulated by SIMDe's headers on a CPU without it, so the
+// AVX-512 and VNNI paths compile and are checked bit for bit on any x86 (slowly).
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
+#define __AVX512F__ 1
+#define __AVX512BW__ 1
+#define __AVX512VL__ 1
+#define __AVX512DQ__ 1
+#define __AVX512VNNI__ 1
+// Reductions SIMDe lacks: a float sum in GCC's order (halves, quarters, then pairs), so the
+// sums equal a native build's; an integer sum in any order.
+inline float specdec_reduce_add_ps(simde__m512 v) {
+  float x[16];
+  simde_mm512_storeu_ps(x, v);
+  float half[8], quarter[4];
+  for (int i = 0; i < 8; ++i) half[i] = x[8 + i] + x[i];
+  for (int i = 0; i < 4; ++i) quarter[i] = half[4 + i] + half[i];
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+inline int32_t specdec_reduce_add_epi32(simde__m512i v) {
+  int32_t x[16], sum = 0;
+  simde_mm512_storeu_si512(x, v);
+  for (int i = 0; i < 16; ++i) sum += x[i];
+  return sum;
+}
+// Conversions SIMDe lacks, lane by lane.
+inline simde__m128i specdec_cvtepi32_epi8(simde__m512i v) {  // truncating
+  int32_t x[16];
+  int8_t y[16];
+  simde_mm512_storeu_si512(x, v);
+  for (int i = 0; i < 16; ++i) y[i] = static_cast<int8_t>(x[i]);
+  return simde_mm_loadu_si128(y);
+}
+inline simde__m512i specdec_cvtepi8_epi32(simde__m128i v) {
+  int8_t x[16];
+  int32_t y[16];
+  simde_mm_storeu_si128(x, v);
+  for (int i = 0; i < 16; ++i) y[i] = x[i];
+  return simde_mm512_loadu_si512(y);
+}
+inline simde__m256i specdec_cvtps_ph(simde__m512 v) {  // to nearest even, as the one caller asks
+  float x[16];
+  simde_mm512_storeu_ps(x, v);
+  return simde_mm256_set_m128i(simde_mm256_cvtps_ph(simde_mm256_loadu_ps(x + 8), SIMDE_MM_FROUND_TO_NEAREST_INT),
+                               simde_mm256_cvtps_ph(simde_mm256_loadu_ps(x), SIMDE_MM_FROUND_TO_NEAREST_INT));
+}
+// SIMDe's masked loads and stores touch all 64 bytes (a store writes the unmasked lanes back):
+// past the end of a buffer that corrupts the heap. These touch the masked lanes alone.
+inline simde__m512 specdec_maskz_loadu_ps(simde__mmask16 mask, const void* from) {
+  float x[16];
+  for (int i = 0; i < 16; ++i) x[i] = mask >> i & 1 ? static_cast<const float*>(from)[i] : 0.f;
+  return simde_mm512_loadu_ps(x);
+}
+inline void specdec_mask_storeu_ps(void* to, simde__mmask16 mask, simde__m512 v) {
+  float x[16];
+  simde_mm512_storeu_ps(x, v);
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1) static_cast<float*>(to)[i] = x[i];
+}
+inline void specdec_mask_storeu_epi8(void* to, simde__mmask16 mask, simde__m128i v) {
+  int8_t x[16];
+  simde_mm_storeu_si128(x, v);
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1) static_cast<int8_t*>(to)[i] = x[i];
+}
+#define _mm512_reduce_add_ps specdec_reduce_add_ps
+#define _mm512_reduce_add_epi32 specdec_reduce_add_epi32
+#define _mm512_cvtepi32_epi8 specdec_cvtepi32_epi8
+#define _mm512_cvtepi8_epi32 specdec_cvtepi8_epi32
+#define _mm512_cvtps_ph(v, rounding) specdec_cvtps_ph(v)
+#define _mm_mask_storeu_epi8 specdec_mask_storeu_epi8
+#define _mm512_maskz_loadu_ps specdec_maskz_loadu_ps
+#define _mm512_mask_storeu_ps specdec_mask_storeu_ps
+#endif
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && !defined(SPECDEC_EMULATE_AMX)
+#define SPECDEC_AMX_NATIVE 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(SPECDEC_AMX_NATIVE) || defined(SPECDEC_EMULATE_AMX)
+#define SPECDEC_AMX 1
 #endif
 
 namespace {
@@ -351,6 +436,86 @@ void epilogue(const int32_t* acc, const int32_t* wsum, const float* ws, const fl
 #endif
 }
 
+#if defined(SPECDEC_AMX)
+// AMX's int8 tiles, the few operations the int8 layer uses: every tile 16 rows of 64 bytes; C
+// tiles hold 16 x 16 int32 sums, A tiles 16 rows of 64 unsigned bytes, B tiles 16 steps of 16
+// channels x 4 signed bytes (the packed weights' own layout), and dpbusd(C, A, B) adds
+// A x B to C, each sum exact. SPECDEC_EMULATE_AMX builds the same operations in plain C++ on any
+// CPU, so the tiled path is tested where no tiles exist.
+namespace tiles {
+constexpr int kRows = 16, kBytes = 64;
+#if defined(SPECDEC_AMX_NATIVE)
+// A process may use the tiles once the kernel has granted it their state (else the first tile
+// instruction dies with SIGILL); asked once, and refused cleanly where the CPU or kernel has none.
+bool available() {
+  static const bool granted = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+    constexpr long kArchRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kArchRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+// Palette 1, every tile 16 x 64 bytes; per thread (the configuration is thread state).
+void configure() {
+  alignas(64) uint8_t config[64] = {};
+  config[0] = 1;
+  for (int t = 0; t < 8; ++t) {
+    reinterpret_cast<uint16_t*>(config + 16)[t] = kBytes;
+    config[48 + t] = kRows;
+  }
+  _tile_loadconfig(config);
+}
+void release() { _tile_release(); }
+// GCC's tile intrinsics paste their tile numbers into the instruction's text: literals only.
+#define SPECDEC_TILE(T, statement) \
+  if constexpr (Tile == T) statement;
+#define SPECDEC_EACH_TILE(statement) \
+  SPECDEC_TILE(0, statement(0)) SPECDEC_TILE(1, statement(1)) SPECDEC_TILE(2, statement(2)) SPECDEC_TILE(3, statement(3)) \
+  SPECDEC_TILE(4, statement(4)) SPECDEC_TILE(5, statement(5)) SPECDEC_TILE(6, statement(6)) SPECDEC_TILE(7, statement(7))
+#define SPECDEC_ZERO(T) _tile_zero(T)
+#define SPECDEC_LOAD(T) _tile_loadd(T, at, kBytes)
+#define SPECDEC_STORE(T) _tile_stored(T, at, kBytes)
+template <int Tile> void zero() { SPECDEC_EACH_TILE(SPECDEC_ZERO) }
+template <int Tile> void load(const void* at) { SPECDEC_EACH_TILE(SPECDEC_LOAD) }
+template <int Tile> void store(void* at) { SPECDEC_EACH_TILE(SPECDEC_STORE) }
+// The products the int8 layer takes: C tiles 0-3 from A in 4 (or 7) and B in 5 or 6.
+#define SPECDEC_DPBUSD(C_, A_, B_) \
+  if constexpr (C == C_ && A == A_ && B == B_) _tile_dpbusd(C_, A_, B_);
+template <int C, int A, int B> void dpbusd() {
+  static_assert((A == 4 || A == 7) && (B == 5 || B == 6) && C >= 0 && C < 4, "C tiles 0-3, A 4 or 7, B 5 or 6");
+  SPECDEC_DPBUSD(0, 4, 5) SPECDEC_DPBUSD(1, 4, 6) SPECDEC_DPBUSD(2, 4, 5) SPECDEC_DPBUSD(3, 4, 6)
+  SPECDEC_DPBUSD(2, 7, 5) SPECDEC_DPBUSD(3, 7, 6)
+}
+#else
+bool available() { return true; }
+alignas(64) thread_local uint8_t registers[8][kRows * kBytes];
+void configure() {}
+void release() {}
+template <int T> void zero() { std::memset(registers[T], 0, sizeof(registers[T])); }
+template <int T> void load(const void* at) { std::memcpy(registers[T], at, sizeof(registers[T])); }
+template <int T> void store(void* at) { std::memcpy(at, registers[T], sizeof(registers[T])); }
+template <int C, int A, int B> void dpbusd() {
+  int32_t* c = reinterpret_cast<int32_t*>(registers[C]);
+  const uint8_t* a = registers[A];
+  const int8_t* b = reinterpret_cast<const int8_t*>(registers[B]);
+  for (int m = 0; m < kRows; ++m)
+    for (int n = 0; n < 16; ++n) {
+      int64_t sum = 0;
+      for (int s = 0; s < kRows; ++s)
+        for (int j = 0; j < 4; ++j) sum += static_cast<int32_t>(a[m * kBytes + 4 * s + j]) * b[s * kBytes + 4 * n + j];
+      // wraps as the hardware does (only the dropped rows past a group could ever wrap)
+      c[m * 16 + n] = static_cast<int32_t>(static_cast<uint32_t>(c[m * 16 + n]) + static_cast<uint32_t>(sum));
+    }
+}
+#endif
+}  // namespace tiles
+
+// Whether the int8 layers multiply through the tiles (where available; tests switch them off
+// to compare the two paths).
+bool use_tiles = true;
+#endif
+
 // An int8 linear layer as Int8Linear holds it: packed weights, their row sums, per-channel
 // scales, and an optional bias and input smoothing (empty tensors when absent).
 struct Int8Layer {
@@ -379,7 +544,8 @@ struct Int8Layer {
   void quantize(int64_t m, int64_t k, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& row_scale) const {
     TORCH_CHECK(k_pad() == round_up(k, 4), "packed weights do not match the input");
     const int64_t bytes = row_bytes();
-    at_least(xq, kPlanes * m * bytes);
+    // past the rows: a tile of 16 rows may start at the last chunk's last row
+    at_least(xq, kPlanes * m * bytes + 16 * kChunkBytes);
     at_least(row_scale, m);
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
       std::vector<float> row(k);
@@ -416,6 +582,11 @@ struct Int8Layer {
   // torch path, operation for operation.
   void multiply(const std::vector<uint8_t>& xq, const std::vector<float>& row_scale, int64_t m, float* out) const {
     TORCH_CHECK(blocks * kBlock >= n, "packed weights do not match the output");
+#if defined(SPECDEC_AMX)
+    // the tiles take activations as q + 128, one plane (not AVX2's two)
+    if (kPlanes == 1 && m >= kTileRowsFrom && k_steps % kChunk == 0 && use_tiles && tiles::available())
+      return multiply_tiles(xq, row_scale, m, out);
+#endif
     at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
       int32_t acc[kRows * kBlock];
       for (int64_t blk = first; blk < last; ++blk) {
@@ -430,6 +601,84 @@ struct Int8Layer {
       }
     });
   }
+
+#if defined(SPECDEC_AMX)
+  // From this many rows the tiles multiply (below it the vector path streams the weights as fast).
+  static constexpr int64_t kTileRowsFrom = 4;
+
+  // The same sums through the tiles. Up to 16 rows: four blocks of 16 channels a pass (C tiles
+  // 0-3), the rows' chunk of 64 inputs in A (tile 4), each block's 64 inputs in B (tiles 5 and 6
+  // in turn). More rows: two row groups (A tiles 4 and 7) times two blocks, so that each B tile
+  // loaded serves both. A row group shorter than 16 still fills its tile: the rows past it (the
+  // next rows of the chunk, or the buffer's padding) are multiplied and dropped.
+  void multiply_tiles(const std::vector<uint8_t>& xq, const std::vector<float>& row_scale, int64_t m, float* out) const {
+    if (m <= tiles::kRows) return tiles_pass<1>(xq, row_scale, m, out);
+    tiles_pass<2>(xq, row_scale, m, out);
+  }
+
+  template <int Groups>
+  void tiles_pass(const std::vector<uint8_t>& xq, const std::vector<float>& row_scale, int64_t m, float* out) const {
+    constexpr int64_t kSet = 4 / Groups;  // blocks a pass
+    const int64_t chunks = k_steps / kChunk, sets = (blocks + kSet - 1) / kSet, block_stride = k_steps * kBlock * 4;
+    at::parallel_for(0, sets, 1, [&](int64_t first, int64_t last) {
+      tiles::configure();
+      alignas(64) int32_t acc[4][tiles::kRows * kBlock];
+      for (int64_t set = first; set < last; ++set) {
+        const int64_t block0 = set * kSet;
+        const int count = static_cast<int>(std::min<int64_t>(kSet, blocks - block0));
+        const int8_t* w = packed + block0 * block_stride;
+        in_row_groups(m, Groups * tiles::kRows, [&](int64_t r0, int rows) {
+          const int64_t second = r0 + (rows + 1) / 2;  // the second group's first row (Groups = 2)
+          tiles::zero<0>();
+          tiles::zero<1>();
+          tiles::zero<2>();
+          tiles::zero<3>();
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int8_t* wc = w + c * kChunk * kBlock * 4;
+            tiles::load<4>(xq.data() + (c * m + r0) * kChunkBytes);
+            tiles::load<5>(wc);
+            if constexpr (Groups == 1) {
+              tiles::dpbusd<0, 4, 5>();
+              if (count > 1) {
+                tiles::load<6>(wc + block_stride);
+                tiles::dpbusd<1, 4, 6>();
+              }
+              if (count > 2) {
+                tiles::load<5>(wc + 2 * block_stride);
+                tiles::dpbusd<2, 4, 5>();
+              }
+              if (count > 3) {
+                tiles::load<6>(wc + 3 * block_stride);
+                tiles::dpbusd<3, 4, 6>();
+              }
+            } else {
+              tiles::load<7>(xq.data() + (c * m + second) * kChunkBytes);
+              tiles::dpbusd<0, 4, 5>();
+              tiles::dpbusd<2, 7, 5>();
+              if (count > 1) {
+                tiles::load<6>(wc + block_stride);
+                tiles::dpbusd<1, 4, 6>();
+                tiles::dpbusd<3, 7, 6>();
+              }
+            }
+          }
+          tiles::store<0>(acc[0]);
+          tiles::store<1>(acc[1]);
+          tiles::store<2>(acc[2]);
+          tiles::store<3>(acc[3]);
+          // acc[g * kSet + b]: row group g, block b
+          for (int g = 0; g < Groups; ++g) {
+            const int64_t from = Groups == 1 ? r0 : (g == 0 ? r0 : second), to = Groups == 1 || g == 1 ? r0 + rows : second;
+            for (int b = 0; b < count; ++b)
+              for (int64_t r = from; r < to; ++r)
+                epilogue(acc[g * kSet + b] + (r - from) * kBlock, sums, scale, bias, row_scale[r], (block0 + b) * kBlock, n, out + r * n);
+          }
+        });
+      }
+      tiles::release();
+    });
+  }
+#endif
 
 };
 
@@ -1945,4 +2194,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("block_linear", &block_linear, unlocked);
   module.def("kquant_linear", &kquant_linear, unlocked);
   module.def("native_decoder_layer", &native_decoder_layer, unlocked);
+  // Whether the int8 layers multiply through AMX's tiles (emulated in a SPECDEC_EMULATE_AMX
+  // build); `enabled` switches them on or off where they exist.
+  module.def("tiles", [](c10::optional<bool> enabled) {
+#if defined(SPECDEC_AMX)
+    if (enabled) use_tiles = *enabled;
+    return use_tiles && tiles::available();
+#else
+    return false;
+#endif
+  }, py::arg("enabled") = py::none());
 }
