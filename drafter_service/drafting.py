@@ -90,6 +90,7 @@ class DrafterInfo:
     steering_size: int = 0  # SD²: the steering vector it reads; 0 = none
     steering_fingerprint: str = ""
     verifier_state: str = ""  # the verifier state it reads (common.proto VerifierState); "" = none
+    weight_format: str = ""  # the format its weights are served in (dtype auto: the one chosen); "" = no model
 
 
 class Drafter(ABC):

@@ -67,7 +67,7 @@ class FeatureDrafter(Drafter):
         self.feature_size = self.head.hidden_size
         self.info = DrafterInfo(
             self.head, len(tokenizer), tokenizer_fingerprint(tokenizer), eos_token_ids(base, tokenizer), max_context(base),
-            self._new_cache().bytes_per_token, verifier_state=state_name(spec.source),
+            self._new_cache().bytes_per_token, verifier_state=state_name(spec.source), weight_format=spec.dtype,
         )
 
     def new_state(self, context: list[int], sampling: Sampling) -> FeatureState:

@@ -77,13 +77,14 @@ class ModelDrafter(Drafter):
             self.steering, steering_fingerprint = load_drafter_steering(steering_checkpoint, self.model)
         self.draft_vocab = getattr(self.model.get_output_embeddings(), "vocab_ids", None)
         self.vocab_size = len(tokenizer)
-        self.engine = engine_for(self.model, spec.dtype)
+        self.engine = engine_for(self.model, self.model.weight_format)
         if self.steering and isinstance(self.engine, LlamaEngine):
             self.engine.up_delta = self.steering.delta  # transformers' modules get theirs through hooks
         check_tree_attention(self.engine, self.model.config)
         self.info = DrafterInfo(
             self.model, self.vocab_size, tokenizer_fingerprint(tokenizer), eos_token_ids(self.model, tokenizer), max_context(self.model),
             self.engine.kv_bytes_per_token, self.steering.norm.normalized_shape[0] if self.steering else 0, steering_fingerprint,
+            weight_format=self.model.weight_format,
         )
 
     def new_state(self, context: list[int], sampling: Sampling) -> ModelState:

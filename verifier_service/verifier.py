@@ -89,7 +89,8 @@ class Verifier:
     ):
         self.spec = spec
         self.model = load_model(spec)
-        self.engine = engine_for(self.model, spec.dtype)
+        self.weight_format = self.model.weight_format  # spec.dtype, or the format dtype auto chose
+        self.engine = engine_for(self.model, self.weight_format)
         check_tree_attention(self.engine, self.model.config)
         self.tokenizer = load_tokenizer(spec.source)
         self.vocab_size = len(self.tokenizer)

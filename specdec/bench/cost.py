@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from specdec.bench.stats import paired_geometric_mean
@@ -18,16 +16,17 @@ from specdec.core.engine import TransformersEngine, engine_for
 from specdec.core.feature_head import is_feature_head
 from specdec.core.models import ModelSpec, load_model
 from specdec.core.ngram import is_model_free
+from specdec.core.timing import pass_times
 
 
 def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]:
     """name -> (role, engine): the served verifier (in each of `formats`, else in its own),
     float32 transformers, and the served drafter where it is a model."""
     served = config.verifier.model
-    engines = {
-        f"served verifier ({dtype})": ("verifier", engine_for(load_model(dataclasses.replace(served, dtype=dtype)), dtype))
-        for dtype in formats or [served.dtype]
-    }
+    engines = {}
+    for dtype in formats or [served.dtype]:  # named by the format served (dtype auto: the one it chose)
+        model = load_model(dataclasses.replace(served, dtype=dtype))
+        engines[f"served verifier ({model.weight_format})"] = ("verifier", engine_for(model, model.weight_format))
     if served.dtype != "float32":
         fp32 = ModelSpec(served.source, served.layers, "float32", served.device)
         engines["float32 transformers verifier"] = ("verifier", TransformersEngine(load_model(fp32)))
@@ -35,7 +34,8 @@ def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]
     # A head is no causal LM of its own (its steps show in the served bench's draft_ms), an n-gram
     # drafter has no model, and a drafter of another tokenizer cannot read the verifier's context ids.
     if not is_feature_head(drafter.source) and not is_model_free(drafter.source) and config.drafter.tokenizer == "shared":
-        engines[f"served drafter ({drafter.dtype})"] = ("drafter", engine_for(load_model(drafter), drafter.dtype))
+        model = load_model(drafter)
+        engines[f"served drafter ({model.weight_format})"] = ("drafter", engine_for(model, model.weight_format))
     return engines
 
 
@@ -45,23 +45,10 @@ def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: l
 
 def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int], tokens: list[int], repeats: int = 24) -> list[dict]:
     """Each engine's pass of k new tokens after `context_ids` (a drafter's: one token), interleaved."""
-    times: dict[tuple[str, int], list[float]] = {}
-    with torch.inference_mode():
-        caches = {}
-        for name, (_, engine) in engines.items():
-            caches[name] = engine.new_cache()
-            engine(caches[name], context_ids, prefill=True)
-        for repeat in tqdm(range(repeats + 2), desc="cost curve", unit="round"):
-            for name, (role, engine) in engines.items():
-                for k in tokens if role == "verifier" else [1]:
-                    cache = caches[name]
-                    cache.truncate(len(context_ids))
-                    new = context_ids[-k:] if k <= len(context_ids) else (context_ids * k)[:k]
-                    start = time.perf_counter()
-                    logits, _ = engine(cache, new, num_logits=k)
-                    logits.cpu()  # a GPU runs asynchronously: the time ends when the logits exist
-                    if repeat >= 2:  # the first two warm caches and allocators
-                        times.setdefault((name, k), []).append((time.perf_counter() - start) * 1e3)
+    times = pass_times(
+        {name: (engine, tokens if role == "verifier" else [1]) for name, (role, engine) in engines.items()}, context_ids, repeats,
+        lambda rounds: tqdm(rounds, desc="cost curve", unit="round"),
+    )
     rows = []
     for name, (role, _) in engines.items():
         one = statistics.median(times[(name, 1)])

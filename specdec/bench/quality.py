@@ -27,8 +27,10 @@ def run_weight_quality(config, prompt_ids: list[list[int]], formats: list[str], 
             texts.append((ids, continuation, logits.log_softmax(-1)))
     del reference
     rows = []
-    for dtype in formats or [served.dtype]:
-        engine = engine_for(load_model(dataclasses.replace(served, dtype=dtype)), dtype)
+    for asked in formats or [served.dtype]:
+        model = load_model(dataclasses.replace(served, dtype=asked))
+        dtype = model.weight_format  # dtype auto: the format it chose
+        engine = engine_for(model, dtype)
         agree, divergence, positions = 0, 0.0, 0
         with torch.inference_mode():
             for ids, continuation, expected in tqdm(texts, desc=dtype, unit="prompt"):

@@ -145,7 +145,7 @@ class Tally:
 
 
 def run_speed(args, setup: BenchSetup) -> int:
-    from specdec.core.models import eos_token_ids, load_model
+    from specdec.core.models import eos_token_ids, load_model, weight_format_of
     from specdec.serving.client import CoordinatorClient, generate_request, server_token
     from specdec.app.launch import start_beside, stop_stack
     from specdec.serving.wire import shape_to_proto
@@ -155,6 +155,8 @@ def run_speed(args, setup: BenchSetup) -> int:
     entries = args.drafters.split(",") if args.drafters else [config.drafter.model.source]
     sources = list(dict.fromkeys(entry.split(":")[0] for entry in entries))
     formats = args.verifier_formats.split(",") if args.verifier_formats else [config.verifier.model.dtype]
+    # dtype auto: the format it chooses on this machine, served by the stacks and named in the rows
+    formats = list(dict.fromkeys(weight_format_of(dataclasses.replace(config.verifier.model, dtype=f)) for f in formats))
     # A stack variant: where the verifier runs and its weight format; rows of several are named VARIANT/NAME.
     variants = [(placement, dtype) for placement in placements for dtype in formats]
     if args.address and (len(sources) > 1 or ORACLE in sources or len(variants) > 1):

@@ -2,9 +2,14 @@
 and the checks a served model must pass."""
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import gc
 import hashlib
 import json
+import logging
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,15 +21,31 @@ from specdec.core.drafter_checkpoint import (
     is_drafter_checkpoint,
     load_drafter,
 )
-from specdec.core.engine import QUANTIZED, torch_dtype
+from specdec.core.engine import QUANTIZED, engine_for, torch_dtype
 from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.int8 import quantize_linears
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
-from specdec.core.hub import gguf_file_of, gguf_layer_formats, load_model_weights_only, load_tokenizer_of, resolve_alias
-from specdec.core.kquants import load_gguf_linears
+from specdec.core.hub import (
+    cache_dir,
+    gguf_file_of,
+    gguf_layer_formats,
+    load_model_weights_only,
+    load_tokenizer_of,
+    resolve_alias,
+)
+from specdec.core.kernels import KERNEL_SOURCE, native
+from specdec.core.kquants import GGUF_TYPES, load_gguf_linears
 from specdec.core.prompts import calibration_ids
+from specdec.core.timing import pass_times
 from specdec.core.tree import DraftTree, verification_inputs
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"  # dtype auto: the fastest exact format on this machine's CPU (load_model)
+AUTO_CONTEXT = 64  # committed tokens before the timed passes
+AUTO_TOKENS = (1, 9)  # the verifier alone's step, and a speculating round's pass (8 drafted + 1)
+AUTO_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -35,7 +56,7 @@ class ModelSpec:
 
     source: str
     layers: int | None = None
-    dtype: str = "float32"  # the weight format: one of engine.WEIGHT_FORMATS
+    dtype: str = "float32"  # the weight format: one of engine.WEIGHT_FORMATS, or auto (load_model)
     device: str = "cpu"
 
 
@@ -51,7 +72,10 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
 def load_model(spec: ModelSpec) -> torch.nn.Module:
     """The model in eval mode, with logits over the whole vocabulary (a distilled drafter with a
     reduced draft vocabulary gives -inf outside it), its weights in the format `spec.dtype`
-    names (specdec/core/engine.py)."""
+    names (specdec/core/engine.py; auto: the one `_load_fastest` picks), kept as the model's
+    `weight_format`."""
+    if spec.dtype == AUTO:
+        return _load_fastest(spec)
     if spec.dtype in BLOCK_FORMATS:
         _check_block_format(spec)
     gguf = _gguf_path(spec) if spec.dtype == "gguf" else None
@@ -68,7 +92,105 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     elif spec.dtype in QUANTIZED:
         calibration = calibration_ids(load_tokenizer(spec.source), max_context(model))
         quantize_linears(model, input_ranges(model.eval(), calibration), None if spec.dtype == "int8" else spec.dtype)
+    model.weight_format = spec.dtype
     return model.to(spec.device).eval()
+
+
+def exact_formats(spec: ModelSpec) -> list[str]:
+    """The formats dtype auto chooses among: int8 for any model, and gguf where the source is a
+    GGUF file whose layers the engine serves as stored (kquants.GGUF_TYPES)."""
+    stored = gguf_layer_formats(spec.source)
+    return ["gguf", "int8"] if stored and stored <= set(GGUF_TYPES) else ["int8"]
+
+
+def cpu_identity() -> tuple[str, str]:
+    """This CPU's model name and flags (/proc/cpuinfo's first processor; "" where unknown)."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return "", ""
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+    return fields.get("model name", ""), fields.get("flags", "")
+
+
+def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
+    """Where dtype auto keeps its choice for `spec` among `candidates` on this machine: one file
+    per CPU (its model name and flags), model source, candidates, kernel source (or the torch ops
+    where the kernels are not built) and torch thread count, in the cache directory."""
+    name, flags = cpu_identity()
+    kernels = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest() if native() is not None else "torch ops"
+    key = {
+        "cpu": name, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest(), "source": spec.source, "layers": spec.layers,
+        "candidates": candidates, "kernels": kernels, "threads": torch.get_num_threads(),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "formats" / f"{digest}.json"
+
+
+def _load_fastest(spec: ModelSpec) -> torch.nn.Module:
+    """dtype auto: the model in the fastest of its exact formats (`exact_formats`) on this CPU.
+    Each candidate is loaded and its engine times a pass of 1 and of 9 new tokens after a
+    64-token context (interleaved, medians of 5 repetitions); the rule: the smallest T(1) + T(9)
+    wins, the verifier alone's step and a speculating round's pass weighted equally. The choice
+    and its times are kept as JSON (`format_choice_path`), so later starts load the winner alone.
+    One process measures at a time on a machine (a verifier and a drafter starting together would
+    slow each other's passes)."""
+    choice = _known_choice(spec)
+    if choice is None:
+        lock = cache_dir() / "formats" / "measuring.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            choice = _known_choice(spec)  # another process may have measured it while this one waited
+            if choice is None:
+                return _measure_fastest(spec)
+    return load_model(dataclasses.replace(spec, dtype=choice))
+
+
+def _measure_fastest(spec: ModelSpec) -> torch.nn.Module:
+    """Loads and times every candidate, keeps the choice, and returns the winner (the others freed)."""
+    candidates = exact_formats(spec)
+    path = format_choice_path(spec, candidates)
+    models = {c: load_model(dataclasses.replace(spec, dtype=c)) for c in candidates}
+    vocab = next(iter(models.values())).config.vocab_size
+    context = [(7 + 31 * i) % vocab for i in range(AUTO_CONTEXT)]
+    times = pass_times({c: (engine_for(m, c), list(AUTO_TOKENS)) for c, m in models.items()}, context, AUTO_REPEATS)
+    times_ms = {c: {f"T({k})": round(statistics.median(times[c, k]), 3) for k in AUTO_TOKENS} for c in candidates}
+    choice = min(candidates, key=lambda c: sum(times_ms[c].values()))
+    staging = path.with_name(path.name + f".tmp{os.getpid()}")
+    staging.write_text(json.dumps({"source": spec.source, "choice": choice, "times_ms": times_ms, "cpu": cpu_identity()[0]}))
+    staging.rename(path)
+    log.info("dtype auto for %s: %s (measured, ms %s; kept in %s)", spec.source, choice, times_ms, path)
+    winner = models.pop(choice)
+    del models
+    gc.collect()  # the other candidates' weights go now, not at some later collection
+    return winner
+
+
+def _known_choice(spec: ModelSpec) -> str | None:
+    """dtype auto's choice where it needs no measurement: the only exact format, or the one kept
+    for this machine; None where the candidates must be timed."""
+    candidates = exact_formats(spec)
+    if len(candidates) == 1:
+        log.info("dtype auto for %s: %s, its only exact format", spec.source, candidates[0])
+        return candidates[0]
+    path = format_choice_path(spec, candidates)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or a torn file: measure again
+        return None
+    if record.get("choice") not in candidates:
+        return None
+    log.info("dtype auto for %s: %s (chosen before, ms %s; %s)", spec.source, record["choice"], record.get("times_ms"), path)
+    return record["choice"]
+
+
+def weight_format_of(spec: ModelSpec) -> str:
+    """The format `load_model(spec)` serves: `spec.dtype`, or for auto the choice kept for this
+    machine (made now, loading the candidates, where none is kept)."""
+    if spec.dtype != AUTO:
+        return spec.dtype
+    return _known_choice(spec) or load_model(spec).weight_format
 
 
 def _gguf_path(spec: ModelSpec) -> Path:

@@ -28,7 +28,7 @@ from specdec.core.engine import QUANTIZED, WEIGHT_FORMATS
 from specdec.core.feature_head import is_feature_head
 from specdec.core.feature_head import read_meta as read_feature_meta
 from specdec.core.hub import BUILTIN_FEATURE_HEAD, BUILTIN_SMOLLM2
-from specdec.core.models import ModelSpec
+from specdec.core.models import AUTO, ModelSpec
 from specdec.core.ngram import NgramSettings, is_model_free
 from specdec.core.oracle import NOT_SERVED as ORACLE_NOT_SERVED
 from specdec.core.oracle import ORACLE
@@ -361,10 +361,17 @@ class Config:
             service = getattr(self, name)
             checks += [
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
-                (service.model.dtype in WEIGHT_FORMATS, f"{name}.model.dtype must be one of {', '.join(WEIGHT_FORMATS)}"),
+                (
+                    service.model.dtype in (*WEIGHT_FORMATS, AUTO),
+                    f"{name}.model.dtype must be one of {', '.join(WEIGHT_FORMATS)} or {AUTO}",
+                ),
                 (
                     service.model.dtype not in QUANTIZED or service.model.device == "cpu",
                     f"{name}.model.dtype {service.model.dtype} runs on the CPU; on {service.model.device} use bfloat16",
+                ),
+                (
+                    service.model.dtype != AUTO or service.model.device == "cpu",
+                    f"{name}.model.dtype auto picks the fastest of the CPU's exact formats; on {service.model.device} name one: bfloat16",
                 ),
             ]
         for ok, message in checks:
@@ -380,6 +387,10 @@ class Config:
         drafter = self.drafter.model.source
         if drafter == ORACLE:  # the bench deploys the oracle from the reference table it recorded; the name alone has nothing to draft
             raise ConfigError(f"drafter.model: {ORACLE_NOT_SERVED}")
+        if self.drafter.model.dtype == AUTO and is_feature_head(drafter):
+            raise ConfigError(
+                "drafter.model.dtype auto picks a drafter model's fastest exact format; a feature head runs float32 or int8: name one"
+            )
         if self.drafter.staged_lookahead and (is_model_free(drafter) or is_feature_head(drafter)):
             raise ConfigError(
                 "drafter.staged_lookahead speeds up a drafter model's own drafting; this drafter has none (n-gram) or is a feature head"

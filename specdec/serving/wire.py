@@ -70,6 +70,7 @@ def model_info(engine, sessions, model_name: str, batcher=None) -> common_pb2.Mo
         prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
         prefix_read_tokens=prefix.read_tokens if prefix else 0,
         evicted_sessions=sessions.evicted,
+        weight_format=engine.weight_format,
     )
 
 

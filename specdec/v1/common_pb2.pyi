@@ -73,7 +73,7 @@ class VerifierState(_message.Message):
     def __init__(self, start: _Optional[int] = ..., positions: _Optional[int] = ..., records: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "hidden_size", "num_layers", "steering_size", "steering_fingerprint", "verifier_state", "active_sessions", "kv_cache_mib", "resident_mib", "forward_passes", "batched_calls", "batched_jobs", "batch_queue_ms", "prefix_hit_tokens", "prefix_read_tokens", "evicted_sessions")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "hidden_size", "num_layers", "steering_size", "steering_fingerprint", "verifier_state", "active_sessions", "kv_cache_mib", "resident_mib", "forward_passes", "batched_calls", "batched_jobs", "batch_queue_ms", "prefix_hit_tokens", "prefix_read_tokens", "evicted_sessions", "weight_format")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class ModelInfo(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_READ_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -114,7 +115,8 @@ class ModelInfo(_message.Message):
     prefix_hit_tokens: int
     prefix_read_tokens: int
     evicted_sessions: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., steering_size: _Optional[int] = ..., steering_fingerprint: _Optional[str] = ..., verifier_state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_cache_mib: _Optional[float] = ..., resident_mib: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ..., batched_jobs: _Optional[int] = ..., batch_queue_ms: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_read_tokens: _Optional[int] = ..., evicted_sessions: _Optional[int] = ...) -> None: ...
+    weight_format: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., steering_size: _Optional[int] = ..., steering_fingerprint: _Optional[str] = ..., verifier_state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_cache_mib: _Optional[float] = ..., resident_mib: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ..., batched_jobs: _Optional[int] = ..., batch_queue_ms: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_read_tokens: _Optional[int] = ..., evicted_sessions: _Optional[int] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
