@@ -68,9 +68,15 @@ def test_bench_measures_the_weight_formats_quality(bench_files):
 def test_bench_runs_a_study_mode_and_writes_its_report(bench_files):
     common, tmp_path = bench_files
     out = tmp_path / "cost.json"
-    assert main(["bench", *common, "--cost-curve", "1,3", "--cost-context", "16", "--out", str(out)]) == 0
+    assert main(["bench", *common, "--cost-curve", "1,3", "--cost-context", "16", "--roofline", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert {row["tokens"] for row in report["results"] if row["model"] == "verifier"} == {1, 3}
+    # each verifier engine's roof, max(bytes / bandwidth, k x multiply-adds / peak), rising with k
+    assert set(report["roofline"]) == {row["engine"] for row in report["results"] if row["model"] == "verifier"}
+    for engine, roof in report["roofline"].items():
+        assert roof["bytes"] > 0 and roof["macs_per_token"] > 0 and roof["peak_macs_per_s"] > 0 and roof["bandwidth_bytes_per_s"] > 1e9
+        rows = sorted((row for row in report["results"] if row["engine"] == engine), key=lambda row: row["tokens"])
+        assert 0 < rows[0]["roof_ms"] <= rows[1]["roof_ms"]
     assert report["config"]["cost_context"] == 16 and len(report["config"]["question_ids"]) == 2
     assert (tmp_path / "cost.png").exists()
 

@@ -394,7 +394,7 @@ def test_cost_curve_times_the_verifier_where_the_drafter_is_no_causal_lm(tiny_di
     source = str(head_dir) if drafter == "head" else drafter
     verifier = {"source": str(tiny_dirs["verifier"]), "dtype": "int8"}
     config = config_from_dict({"verifier": {"model": verifier}, "drafter": {"model": source}})
-    rows = run_cost_curve(config, [1, 5, 7, 3, 9, 4], [1, 3], formats=["int8", "q4_1"], repeats=1)
+    rows = run_cost_curve(config, [1, 5, 7, 3, 9, 4], [1, 3], formats=["int8", "q4_1"], repeats=1)["results"]
     engines = ("served verifier (int8)", "served verifier (q4_1)", "float32 transformers verifier")
     assert {(r["engine"], r["tokens"]) for r in rows} == {(engine, k) for engine in engines for k in (1, 3)}
     assert all(r["model"] == "verifier" and r["verify_ms"] > 0 for r in rows)

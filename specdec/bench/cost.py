@@ -39,8 +39,23 @@ def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]
     return engines
 
 
-def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: list[str] | None = None, repeats: int = 24) -> list[dict]:
-    return time_engines(_engines(config, formats), context_ids, tokens, repeats)
+def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: list[str] | None = None, repeats: int = 24,
+                   with_roofline: bool = False) -> dict:
+    """The rows of time_engines; with_roofline adds each verifier engine's roof (bench/roofline.py) to
+    its rows (roof_ms) and the measured rates to the report (roofline)."""
+    engines = _engines(config, formats)
+    rows = time_engines(engines, context_ids, tokens, repeats)
+    if not with_roofline:
+        return {"results": rows}
+    from specdec.bench import roofline
+
+    bandwidth = roofline.memory_bandwidth()
+    roofs = {name: roofline.roofline(engine.model if isinstance(engine, TransformersEngine) else engine, bandwidth)
+             for name, (role, engine) in engines.items() if role == "verifier"}
+    for row in rows:
+        if row["engine"] in roofs:
+            row["roof_ms"] = roofline.roof_ms(roofs[row["engine"]], row["tokens"])
+    return {"results": rows, "roofline": roofs}
 
 
 def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int], tokens: list[int], repeats: int = 24) -> list[dict]:
@@ -66,13 +81,15 @@ def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int],
 
 
 def format_cost_curve(rows: list[dict]) -> str:
-    lines = ["engine | tokens | ms (median) | x one token (medians) | x one token (paired, 95%)", "---|---|---|---|---"]
+    lines = ["engine | tokens | ms (median) | x one token (medians) | x one token (paired, 95%) | roof ms | x roof",
+             "---|---|---|---|---|---|---"]
     for r in rows:
         ms = r.get("verify_ms", r.get("draft_step_ms"))
         low, high = r["paired_interval"]
+        roof = f"{r['roof_ms']:.1f} | {ms / r['roof_ms']:.2f}" if "roof_ms" in r else "- | -"
         lines.append(
             f"{r['engine']} | {r['tokens']} | {ms:.1f} | {r['ratio_to_one_token']:.2f} | "
-            f"{r['paired_ratio_to_one_token']:.2f} [{low:.2f}, {high:.2f}]"
+            f"{r['paired_ratio_to_one_token']:.2f} [{low:.2f}, {high:.2f}] | {roof}"
         )
     return "\n".join(lines)
 
@@ -92,6 +109,8 @@ def plot_cost_curve(rows: list[dict], path: Path) -> None:
         ks = [r["tokens"] for r in mine]
         (line,) = absolute.plot(ks, [r["verify_ms"] for r in mine], marker="o", label=name)
         colors[name] = line.get_color()
+        if "roof_ms" in mine[0]:
+            absolute.plot(ks, [r["roof_ms"] for r in mine], linestyle="--", color=line.get_color(), label=f"{name}: roof")
         paired = [r["paired_ratio_to_one_token"] for r in mine]
         spread = [[p - r["paired_interval"][0] for p, r in zip(paired, mine)], [r["paired_interval"][1] - p for p, r in zip(paired, mine)]]
         relative.errorbar(ks, paired, yerr=spread, marker="o", capsize=3, label=name)

@@ -84,6 +84,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cost.add_argument("--cost-context", type=int, default=200, help="committed context length (tokens of the held-out prompts)")
     cost.add_argument(
+        "--roofline", action="store_true",
+        help="measure the memory bandwidth and each verifier format's multiply-add peak, and draw each format's roof, "
+        "max(bytes / bandwidth, k x multiply-adds / peak), beside its curve",
+    )
+    cost.add_argument(
         "--weight-formats",
         help="comma-separated weight formats of the verifier, a row each in the cost curve or the quality study (default: the served one)",
     )
@@ -150,7 +155,7 @@ def _study(args, setup: BenchSetup):
 
         context = ([t for ids in setup.prompt_ids for t in ids] * args.cost_context)[: args.cost_context]
         tokens = [int(k) for k in args.cost_curve.split(",")]
-        return (lambda: {"results": cost.run_cost_curve(config, context, tokens, formats)},
+        return (lambda: cost.run_cost_curve(config, context, tokens, formats, with_roofline=args.roofline),
                 lambda report, path: cost.plot_cost_curve(report["results"], path),
                 lambda report: cost.format_cost_curve(report["results"]),
                 {"cost_context": args.cost_context, "question_ids": setup.question_ids()})
