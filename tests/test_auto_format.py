@@ -67,7 +67,7 @@ def test_auto_serves_the_faster_candidate_and_keeps_the_choice(gguf_source, monk
     times = record["times_ms"]
     assert record["choice"] == model.weight_format and set(times) == set(BOTH)
     assert all(set(t) == {"T(1)", "T(9)"} and min(t.values()) > 0 for t in times.values())
-    assert sum(times[record["choice"]].values()) == min(sum(t.values()) for t in times.values())  # the rule: T(1) + T(9)
+    assert record["choice"] == models.choose_format(times)
     # served exactly as that format named outright
     assert torch.equal(logits_of(model), logits_of(load_model(dataclasses.replace(spec, dtype=model.weight_format))))
 
@@ -150,3 +150,9 @@ def test_the_config_takes_auto_on_the_cpu_only(section):
 def test_the_config_refuses_auto_for_a_feature_head():
     with pytest.raises(ConfigError, match="drafter.model.dtype auto picks a drafter model's fastest exact format; a feature head"):
         config_from_dict({"drafter": {"model": {"dtype": "auto"}}})  # the default drafter: the feature head
+
+
+def test_the_rule_takes_the_smallest_sum_and_keeps_the_files_blocks_in_a_near_tie():
+    assert models.choose_format({"gguf": {"T(1)": 55.5, "T(9)": 91.2}, "int8": {"T(1)": 64.3, "T(9)": 69.0}}) == "int8"  # 9% faster
+    assert models.choose_format({"gguf": {"T(1)": 54.3, "T(9)": 84.0}, "int8": {"T(1)": 59.4, "T(9)": 78.6}}) == "gguf"  # a tie
+    assert models.choose_format({"gguf": {"T(1)": 40.0, "T(9)": 50.0}, "int8": {"T(1)": 60.0, "T(9)": 70.0}}) == "gguf"

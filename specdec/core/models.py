@@ -46,6 +46,9 @@ AUTO = "auto"  # dtype auto: the fastest exact format on this machine's CPU (loa
 AUTO_CONTEXT = 64  # committed tokens before the timed passes
 AUTO_TOKENS = (1, 9)  # the verifier alone's step, and a speculating round's pass (8 drafted + 1)
 AUTO_REPEATS = 5
+# dtype auto keeps the first candidate (a GGUF's own blocks) unless another is this much faster: a
+# near tie must not flip between machines of one CPU model (greedy text follows the weights).
+AUTO_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,9 @@ def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
 def _load_fastest(spec: ModelSpec) -> torch.nn.Module:
     """dtype auto: the model in the fastest of its exact formats (`exact_formats`) on this CPU.
     Each candidate is loaded and its engine times a pass of 1 and of 9 new tokens after a
-    64-token context (interleaved, medians of 5 repetitions); the rule: the smallest T(1) + T(9)
-    wins, the verifier alone's step and a speculating round's pass weighted equally. The choice
+    64-token context (interleaved, medians of 5 repetitions); the rule (`choose_format`): the
+    smallest T(1) + T(9) wins, the verifier alone's step and a speculating round's pass weighted
+    equally, by at least 5% against the GGUF's own blocks. The choice
     and its times are kept as JSON (`format_choice_path`), so later starts load the winner alone.
     One process measures at a time on a machine (a verifier and a drafter starting together would
     slow each other's passes)."""
@@ -156,7 +160,7 @@ def _measure_fastest(spec: ModelSpec) -> torch.nn.Module:
     context = [(7 + 31 * i) % vocab for i in range(AUTO_CONTEXT)]
     times = pass_times({c: (engine_for(m, c), list(AUTO_TOKENS)) for c, m in models.items()}, context, AUTO_REPEATS)
     times_ms = {c: {f"T({k})": round(statistics.median(times[c, k]), 3) for k in AUTO_TOKENS} for c in candidates}
-    choice = min(candidates, key=lambda c: sum(times_ms[c].values()))
+    choice = choose_format(times_ms)
     staging = path.with_name(path.name + f".tmp{os.getpid()}")
     staging.write_text(json.dumps({"source": spec.source, "choice": choice, "times_ms": times_ms, "cpu": cpu_identity()[0]}))
     staging.rename(path)
@@ -165,6 +169,14 @@ def _measure_fastest(spec: ModelSpec) -> torch.nn.Module:
     del models
     gc.collect()  # the other candidates' weights go now, not at some later collection
     return winner
+
+
+def choose_format(times_ms: dict[str, dict[str, float]]) -> str:
+    """The rule: the candidate (in `exact_formats` order) with the smallest T(1) + T(9), except that
+    the first is kept unless the fastest beats it by AUTO_MARGIN."""
+    total = {c: sum(t.values()) for c, t in times_ms.items()}
+    first, fastest = next(iter(total)), min(total, key=total.get)
+    return fastest if total[fastest] < (1 - AUTO_MARGIN) * total[first] else first
 
 
 def _known_choice(spec: ModelSpec) -> str | None:
