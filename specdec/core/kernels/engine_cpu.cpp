@@ -1066,12 +1066,16 @@ void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sum
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, _mm512_setzero_ps());
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* wb = w + sb * kBytes;
-    for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 16 * kBytes + 64 * line), _MM_HINT_T1);
     const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + kFactors + 256);
     __m512i acc[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
+      // the super-block 16 ahead streams into L2, an eighth of its lines with each sub-block: all
+      // asked at once, they queued behind each other (a step and a 9-row pass cost 8-12% more)
+      constexpr int kLines = kBytes / 64;
+      for (int line = j * kLines / 8; line < (j == 7 ? kLines : (j + 1) * kLines / 8); ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + 16 * kBytes + 64 * line), _MM_HINT_T1);
       const uint8_t* nibbles = wb + j * 256;
       const int8_t* factors = reinterpret_cast<const int8_t*>(wb + kFactors + j * 32);
       const int64_t at = sb * kSuper + j * 32;  // this sub-block's first input
