@@ -7,6 +7,13 @@
 // fixed by that row alone: integer sums are exact, and each float sum below runs over one
 // row's own elements in one fixed order, whatever the number of rows, threads or the tree.
 // Built with -ffp-contract=off so the compiler fuses no multiply-add the code did not write.
+//
+// Paths by instruction set, chosen at compile time (-march) inside each kernel: scalar (the
+// reference), AVX2, AVX-512 (quantizers, attention, epilogues) with VNNI (the int8, block and
+// K-quant dot products), and AMX's tiles for int8 passes of 4 or more rows (`tiles` below, used
+// where the kernel grants the process tile state). Every path gives the same bits; a CPU without
+// one still builds and tests it: -DSPECDEC_SIMDE emulates AVX-512 VNNI through SIMDe's headers,
+// -DSPECDEC_EMULATE_AMX the tiles in plain C++ (kernels/__init__.py build(emulate=...)).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
