@@ -146,6 +146,10 @@ V* at_least(std::vector<V>& buffer, int64_t n) {
   return buffer.data();
 }
 
+// Rows a thread quantizes at least: from 9 rows (a speculating round's pass) both threads take
+// part, instead of one quantizing while the other waits for the multiply.
+constexpr int64_t kQuantizeGrain = 8;
+
 // Calls run(std::integral_constant<int, rows>{}) for 1 <= rows <= Most: a kernel gets its row
 // count as a compile-time constant, so that its per-row sums stay in registers.
 template <int Most, typename Run>
@@ -554,7 +558,7 @@ struct Int8Layer {
     // past the rows: a tile of 16 rows may start at the last chunk's last row
     at_least(xq, kPlanes * m * bytes + 16 * kChunkBytes);
     at_least(row_scale, m);
-    at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, m, kQuantizeGrain, [&](int64_t first, int64_t last) {
       std::vector<float> row(k);
       std::vector<uint8_t> planes(kPlanes * bytes);  // this row's planes, contiguous, before they go to their chunks
       for (int64_t r = first; r < last; ++r) {
@@ -919,7 +923,7 @@ struct BlockLayer {
     TORCH_CHECK(k_pad() == round_up(k, kQBlock), "packed block weights do not match the input");
     at_least(xq, rows * k_pad());
     at_least(scales, rows * kBlockScales * k_blocks);
-    at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, rows, kQuantizeGrain, [&](int64_t first, int64_t last) {
       std::vector<float> row(k);
       for (int64_t r = first; r < last; ++r) {
         make_row(r, row.data());
@@ -1311,7 +1315,7 @@ struct KQuantLayer {
     TORCH_CHECK(k_in == k(), "packed K-quant weights do not match the input");
     at_least(xq, rows * k() + rows * (k() / 16) * 2);
     at_least(scales, rows * supers);
-    at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, rows, kQuantizeGrain, [&](int64_t first, int64_t last) {
       std::vector<float> row(k());
       for (int64_t r = first; r < last; ++r) {
         make_row(r, row.data());
