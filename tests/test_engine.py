@@ -169,7 +169,8 @@ def test_native_passes_let_other_python_threads_run():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_attention_gives_each_query_what_it_gets_alone(dtype):
+@pytest.mark.parametrize("dim", [64, 128])  # SmolLM2's head width and Qwen2.5-1.5B's
+def test_native_attention_gives_each_query_what_it_gets_alone(dtype, dim):
     """Causal and masked (tree) forms agree, each query's row equals its one-query call bit for
     bit, and the values match float64 attention (over the same bfloat16 numbers, where the
     cache is bfloat16: keys as pairs of channels, multiplied in pairs)."""
@@ -177,7 +178,7 @@ def test_native_attention_gives_each_query_what_it_gets_alone(dtype):
     kernels = native()
     if dtype == torch.bfloat16 and kernels.cache_dtype() != "bfloat16":
         pytest.skip("this CPU has no bfloat16 dot products")
-    heads, kv_heads, dim, length, capacity = 9, 3, 64, 150, 256
+    heads, kv_heads, length, capacity = 9, 3, 150, 256
     keys_t, values = torch.randn(kv_heads, dim, capacity).to(dtype), torch.randn(kv_heads, capacity, dim).to(dtype)
     cached_keys = keys_t if dtype == torch.float32 else keys_t.view(kv_heads, dim // 2, 2, capacity).transpose(2, 3).contiguous()
     for count in (1, 4, 9, 33):

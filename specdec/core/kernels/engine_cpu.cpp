@@ -1558,36 +1558,40 @@ void accumulate_values_bf16(const Bfloat16* values, int64_t dim, const int64_t* 
     std::memcpy(&pair, weights + g * weight_stride + j, 4);
     return pair;
   };
-  if (dim == 64) {
-    // Two rows' 32 channels interleaved into (v0[c], v1[c]) pairs, channels in order.
+  if (dim % 64 == 0) {
+    // 64 channels at a time (their sums for G heads fill the registers): two rows' 32 channels
+    // interleaved into (v0[c], v1[c]) pairs, channels in order. Each lane still sums its
+    // (head, channel) over the positions in order, whatever the slice.
     const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-    __m512 sums[G][4];
+    for (int64_t slice = 0; slice < dim; slice += 64) {
+      __m512 sums[G][4];
 #pragma GCC unroll 6
-    for (int g = 0; g < G; ++g)
+      for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) sums[g][c] = _mm512_loadu_ps(acc + g * dim + 16 * c);
-    for (int64_t j = j0; j < j1; j += 2) {
-      const Bfloat16* v0 = value_row(j);
-      const Bfloat16* v1 = j + 1 < j1 ? value_row(j + 1) : v0;
-      __m512bh pairs[4];
+        for (int c = 0; c < 4; ++c) sums[g][c] = _mm512_loadu_ps(acc + g * dim + slice + 16 * c);
+      for (int64_t j = j0; j < j1; j += 2) {
+        const Bfloat16* v0 = value_row(j) + slice;
+        const Bfloat16* v1 = (j + 1 < j1 ? value_row(j + 1) : value_row(j)) + slice;
+        __m512bh pairs[4];
 #pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half) {
-        const __m512i a = _mm512_loadu_si512(v0 + 32 * half), b = _mm512_loadu_si512(v1 + 32 * half);
-        pairs[2 * half] = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
-        pairs[2 * half + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+        for (int half = 0; half < 2; ++half) {
+          const __m512i a = _mm512_loadu_si512(v0 + 32 * half), b = _mm512_loadu_si512(v1 + 32 * half);
+          pairs[2 * half] = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
+          pairs[2 * half + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+        }
+#pragma GCC unroll 6
+        for (int g = 0; g < G; ++g) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(weight_pair(g, j)));
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) sums[g][c] = _mm512_dpbf16_ps(sums[g][c], pairs[c], w);
+        }
       }
 #pragma GCC unroll 6
-      for (int g = 0; g < G; ++g) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(weight_pair(g, j)));
+      for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) sums[g][c] = _mm512_dpbf16_ps(sums[g][c], pairs[c], w);
-      }
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * dim + slice + 16 * c, sums[g][c]);
     }
-#pragma GCC unroll 6
-    for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * dim + 16 * c, sums[g][c]);
     return;
   }
   for (int g = 0; g < G; ++g) {
