@@ -16,15 +16,21 @@ _STREAM_BYTES = 1 << 30  # past any last-level cache these machines have
 _PEAK_ROWS = 64
 
 
+def _median_seconds(run, repeats: int) -> float:
+    """run()'s median time over `repeats` calls, after one that warms caches and allocators."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def memory_bandwidth(repeats: int = 5) -> float:
     """Bytes per second read from memory with the process's threads (median of `repeats`)."""
     buffer = torch.ones(_STREAM_BYTES, dtype=torch.int8)
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        buffer.max()
-        times.append(time.perf_counter() - start)
-    return _STREAM_BYTES / statistics.median(times[1:])
+    return _STREAM_BYTES / _median_seconds(buffer.max, repeats)
 
 
 def linears(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -46,13 +52,7 @@ def peak_macs(model: torch.nn.Module, repeats: int = 5) -> float:
     differ) on 64 rows, median of `repeats`."""
     layer = max((m for m in linears(model) if m.out_features < 100_000), key=lambda m: m.in_features * m.out_features)
     x = torch.randn(_PEAK_ROWS, layer.in_features)
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            layer(x)
-            times.append(time.perf_counter() - start)
-    return _PEAK_ROWS * layer.in_features * layer.out_features / statistics.median(times[1:])
+    return _PEAK_ROWS * layer.in_features * layer.out_features / _median_seconds(lambda: layer(x), repeats)
 
 
 def roofline(model: torch.nn.Module, bandwidth: float) -> dict:

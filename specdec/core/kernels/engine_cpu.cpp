@@ -23,6 +23,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -679,7 +680,7 @@ struct Int8Layer {
           tiles::store<3>(acc[3]);
           // acc[g * kSet + b]: row group g, block b
           for (int g = 0; g < Groups; ++g) {
-            const int64_t from = Groups == 1 ? r0 : (g == 0 ? r0 : second), to = Groups == 1 || g == 1 ? r0 + rows : second;
+            const int64_t from = g == 0 ? r0 : second, to = g + 1 == Groups ? r0 + rows : second;
             for (int b = 0; b < count; ++b)
               for (int64_t r = from; r < to; ++r)
                 epilogue(acc[g * kSet + b] + (r - from) * kBlock, sums, scale, bias, row_scale[r], (block0 + b) * kBlock, n, out + r * n);
@@ -1097,6 +1098,17 @@ void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sum
         q[i] = _mm512_and_si512(packed, low_nibbles);
         q[i + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
       }
+      // row r's sums of the sub-block's inputs 0-15 and 16-31: four steps each
+      const auto halves = [&](int r) {
+        __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], x4(r, at));
+        __m512i top = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], x4(r, at + 16));
+#pragma GCC unroll 3
+        for (int s = 1; s < 4; ++s) {
+          low = _mm512_dpbusd_epi32(low, q[s], x4(r, at + 4 * s));
+          top = _mm512_dpbusd_epi32(top, q[s + 4], x4(r, at + 16 + 4 * s));
+        }
+        return std::pair{low, top};
+      };
       if constexpr (Format == kQ6K) {
         // step s's two high bits: bits 2 (s / 2) of high plane s % 2
         const __m512i high[2] = {_mm512_loadu_si512(wb + 2048 + j * 128), _mm512_loadu_si512(wb + 2048 + j * 128 + 64)};
@@ -1112,26 +1124,14 @@ void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sum
         const __m512i a_low = _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16), a_high = _mm512_srai_epi32(pairs, 16);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], x4(r, at));
-          __m512i top = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], x4(r, at + 16));
-#pragma GCC unroll 3
-          for (int s = 1; s < 4; ++s) {
-            low = _mm512_dpbusd_epi32(low, q[s], x4(r, at + 4 * s));
-            top = _mm512_dpbusd_epi32(top, q[s + 4], x4(r, at + 16 + 4 * s));
-          }
+          const auto [low, top] = halves(r);
           acc[r] = _mm512_add_epi32(acc[r], _mm512_add_epi32(_mm512_mullo_epi32(low, a_low), _mm512_mullo_epi32(top, a_high)));
         }
       } else {
         const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(factors)));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], x4(r, at));
-          __m512i top = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], x4(r, at + 16));
-#pragma GCC unroll 3
-          for (int s = 1; s < 4; ++s) {
-            low = _mm512_dpbusd_epi32(low, q[s], x4(r, at + 4 * s));
-            top = _mm512_dpbusd_epi32(top, q[s + 4], x4(r, at + 16 + 4 * s));
-          }
+          const auto [low, top] = halves(r);
           acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(_mm512_add_epi32(low, top), a));
         }
       }
