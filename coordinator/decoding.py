@@ -203,9 +203,9 @@ def decode_rounds(
     meter: Meter,
     costs: VerifyCosts,
     overlap: ThreadPoolExecutor | None = None,
-) -> Iterator[list[int]]:
+) -> Iterator[tuple[list[int], RoundReport]]:
     """Yields each round's newly committed tokens (accepted drafts, then the verifier's own
-    token) until max_new_tokens are out; the caller stops early on EOS or a stop string.
+    token) and its report until max_new_tokens are out; the caller stops early on EOS or a stop string.
     The policy picks each round's plan: draft tree nodes and method (shaped by `shape`), or
     budget 0 for the verifier alone; it hears back what the round cost. With `overlap`
     (a thread pool for the verify calls), the drafter drafts the next round while the
@@ -225,7 +225,7 @@ def decode_rounds(
             drafted, (report, verdict, verify_call) = None, rounds.verify_alone(plan, fused)
         rounds.account(policy, report, drafted, verify_call)
         generated += len(verdict.token_ids)
-        yield list(verdict.token_ids)
+        yield list(verdict.token_ids), report
 
 
 @dataclass

@@ -149,6 +149,7 @@ class Completion:
     chat: bool
     stream: bool
     include_usage: bool
+    include_rounds: bool  # each chunk's text spans by source, and its rounds (the playground's marks)
 
 
 class OpenAIFrontend:
@@ -195,8 +196,8 @@ class OpenAIFrontend:
             ParseDict(speculation, request)
         except ParseError as err:
             raise ApiError(400, f"speculation: {err}", param="speculation") from None
-        include_usage = bool((parsed.stream_options or {}).get("include_usage"))
-        return Completion(request, len(ids), chat, parsed.stream, include_usage)
+        options = parsed.stream_options or {}
+        return Completion(request, len(ids), chat, parsed.stream, bool(options.get("include_usage")), bool(options.get("include_rounds")))
 
     def _text_prompt(self, prompt: str | list) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -238,9 +239,13 @@ class OpenAIFrontend:
         try:
             for last in _chain(first, parts):
                 generated += len(last.token_ids)
-                if last.text or last.finish_reason:
+                if last.text or last.finish_reason or (completion.include_rounds and last.rounds):
                     delta = {"content": last.text} if completion.chat else last.text
-                    yield _event(self._chunk(completion, names, delta, last.finish_reason or None))
+                    chunk = self._chunk(completion, names, delta, last.finish_reason or None)
+                    if completion.include_rounds:
+                        chunk["choices"][0]["spans"] = [_fields(span) for span in last.spans]
+                        chunk["rounds"] = [_fields(info) for info in last.rounds]
+                    yield _event(chunk)
         except ServiceError as err:
             yield _event(ApiError.from_service(err).body())
         if completion.include_usage and last is not None and last.finish_reason:
@@ -342,12 +347,16 @@ def _speculation(stats) -> dict:
         elif isinstance(value, (bool, int, float, str)):
             out[field.name] = value
         elif hasattr(value, "ListFields"):  # a message: the round anatomies
-            out[field.name] = MessageToDict(value, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            out[field.name] = _fields(value)
         else:
             out[field.name] = list(value)
     out["acceptance_rate"] = stats.accepted_draft_tokens / stats.drafted_tokens if stats.drafted_tokens else 0.0
     out["mean_acceptance_length"] = 1 + stats.accepted_draft_tokens / stats.speculative_rounds if stats.speculative_rounds else 1.0
     return out
+
+
+def _fields(message) -> dict:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def _event(data: dict) -> str:

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from coordinator.budget import BudgetController, Plan, VerifyCosts
+from coordinator.budget import BudgetController, Plan, RoundReport, VerifyCosts
 from coordinator.clients import PairSession, Replicas, ServicePair
 from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
@@ -214,20 +214,21 @@ class Coordinator:
         try:
             policy = self.controllers[request.temperature == 0, overlap] if adaptive else FixedPolicy(Plan(budget, settings.tree.method))
             pool = self.verify_pool if overlap else None
-            for committed in decode_rounds(
+            rounds = []  # of the message being made
+            for committed, report in decode_rounds(
                 session, policy, settings.tree, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool
             ):
-                output.add(committed)
+                kept = output.add(committed, report.accepted)
+                rounds.append(_round_info(report, kept))
                 if output.finish_reason:
                     break
                 if not alive():
                     return
-                tokens, text = output.take_delta()
-                yield coordinator_pb2.GenerateResponse(text=text, token_ids=tokens)
+                yield _message(*output.take_delta(), rounds)
+                rounds = []
             output.end("length")
         finally:
             session.close()
-        tokens, text = output.take_delta()
         stats = meter.stats(
             "adaptive" if adaptive else "fixed", overlap, settings.steering, budget, settings.tree.method, len(output.token_ids),
             verifier_state,
@@ -239,7 +240,25 @@ class Coordinator:
                 self.on_finished(stats)
             except Exception:  # metrics must never cost a client its answer
                 log.exception("recording the request's metrics failed")
-        yield coordinator_pb2.GenerateResponse(text=text, token_ids=tokens, finish_reason=output.finish_reason, stats=stats)
+        last = _message(*output.take_delta(), rounds)
+        last.finish_reason = output.finish_reason
+        last.stats.CopyFrom(stats)
+        yield last
+
+
+def _message(tokens: list[int], text: str, spans: list[tuple[int, int, bool]], rounds: list) -> coordinator_pb2.GenerateResponse:
+    return coordinator_pb2.GenerateResponse(
+        text=text, token_ids=tokens, rounds=rounds,
+        spans=[coordinator_pb2.TextSpan(chars=chars, tokens=count, drafted=drafted) for chars, count, drafted in spans],
+    )
+
+
+def _round_info(report: RoundReport, kept: int) -> coordinator_pb2.RoundInfo:
+    return coordinator_pb2.RoundInfo(
+        plan=report.plan.label, drafted_tokens=report.verified_tokens - 1 if report.plan.budget else 0,
+        accepted_draft_tokens=min(report.accepted, kept), tokens=kept, round_ms=report.wall_ms, draft_ms=report.draft_ms,
+        verify_ms=report.verify_ms, wire_ms=report.draft_wire_ms + report.verify_wire_ms,
+    )
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -251,14 +270,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @reports_errors
     def Generate(self, request, context):
-        text, tokens, last = [], [], None
+        text, whole = [], coordinator_pb2.GenerateResponse()
         with self.coordinator.slot(context):
-            for last in self.coordinator.generate(request, *_bounds(context)):
-                text.append(last.text)
-                tokens.extend(last.token_ids)
-        return coordinator_pb2.GenerateResponse(
-            text="".join(text), token_ids=tokens, finish_reason=last.finish_reason, stats=last.stats
-        )
+            for part in self.coordinator.generate(request, *_bounds(context)):
+                text.append(part.text)
+                whole.MergeFrom(part)  # appends tokens, spans and rounds; the last brings finish_reason and stats
+        whole.text = "".join(text)
+        return whole
 
     @reports_errors
     def GenerateStream(self, request, context):

@@ -12,6 +12,7 @@ from coordinator.server import CoordinatorServicer
 from specdec.core.models import hf_greedy
 from specdec.core.prompts import chat_ids
 from specdec.serving.client import CoordinatorClient, generate_request
+from specdec.v1 import common_pb2
 
 MODEL = "tiny-verifier"
 
@@ -63,6 +64,31 @@ def test_streamed_chat_with_usage_equals_the_grpc_chat_answer(api, grpc_client):
     assert finished == [expected.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_rounds_mark_the_text_as_the_stats_count_it(api, grpc_client):
+    """stream_options.include_rounds: each chunk's spans cover its text, the drafted spans'
+    tokens are the accepted drafts the stats count, and the rounds add up to the request's."""
+    chunks = list(api.completions.create(
+        model=MODEL, prompt="w3 w4 w3 w4 w3", max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True, "include_rounds": True},
+        extra_body={"speculation": {"num_draft_tokens": 4, "tree": {"method": "chain"}}},
+    ))
+    stats = chunks[-1].model_extra["speculation"]
+    texts = [c.choices[0] for c in chunks if c.choices]
+    spans = [span for choice in texts for span in choice.model_extra["spans"]]
+    rounds = [info for c in chunks for info in c.model_extra.get("rounds", [])]
+    assert all(sum(span["chars"] for span in choice.model_extra["spans"]) == len(choice.text) for choice in texts)
+    assert sum(span["tokens"] for span in spans if span["drafted"]) == stats["accepted_draft_tokens"] > 0
+    assert sum(span["tokens"] for span in spans) == chunks[-1].usage.completion_tokens
+    assert len(rounds) == stats["rounds"] and {r["plan"] for r in rounds} <= {"chain-4", "fused"}
+    assert sum(r["accepted_draft_tokens"] for r in rounds) == stats["accepted_draft_tokens"]
+    assert sum(r["drafted_tokens"] for r in rounds) == stats["drafted_tokens"]
+    assert all(r["round_ms"] >= r["verify_ms"] > 0 for r in rounds)
+    whole = grpc_client.generate(
+        generate_request("w3 w4 w3 w4 w3", max_new_tokens=40, num_draft_tokens=4, tree=common_pb2.TreeShape(method="chain"))
+    )
+    assert [(s.chars, s.tokens, s.drafted) for s in whole.spans] == [(s["chars"], s["tokens"], s["drafted"]) for s in spans]
 
 
 def test_chat_turns_use_the_template_and_the_extension_field(api, tiny_stack, tiny_verifier):

@@ -167,13 +167,47 @@ class RoundAnatomy(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., round_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., draft_hop_ms: _Optional[float] = ..., verify_hop_ms: _Optional[float] = ..., coordinator_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., draft_request_bytes: _Optional[float] = ..., draft_response_bytes: _Optional[float] = ..., verify_request_bytes: _Optional[float] = ..., verify_response_bytes: _Optional[float] = ..., draft_in_service_ms: _Optional[float] = ..., verify_in_service_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "spans", "rounds")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stats: RoundStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ...) -> None: ...
+    spans: _containers.RepeatedCompositeFieldContainer[TextSpan]
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundInfo]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ..., spans: _Optional[_Iterable[_Union[TextSpan, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ...) -> None: ...
+
+class TextSpan(_message.Message):
+    __slots__ = ("chars", "tokens", "drafted")
+    CHARS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    chars: int
+    tokens: int
+    drafted: bool
+    def __init__(self, chars: _Optional[int] = ..., tokens: _Optional[int] = ..., drafted: _Optional[bool] = ...) -> None: ...
+
+class RoundInfo(_message.Message):
+    __slots__ = ("plan", "drafted_tokens", "accepted_draft_tokens", "tokens", "round_ms", "draft_ms", "verify_ms", "wire_ms")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_MS_FIELD_NUMBER: _ClassVar[int]
+    plan: str
+    drafted_tokens: int
+    accepted_draft_tokens: int
+    tokens: int
+    round_ms: float
+    draft_ms: float
+    verify_ms: float
+    wire_ms: float
+    def __init__(self, plan: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., tokens: _Optional[int] = ..., round_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., wire_ms: _Optional[float] = ...) -> None: ...
