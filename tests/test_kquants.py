@@ -240,6 +240,27 @@ def test_a_gguf_files_blocks_replace_the_models_linears(kquant_model_dir, tmp_pa
         LlamaEngine(split)
 
 
+@pytest.mark.parametrize("head_kind", ["Q8_0", "Q6_K"])
+def test_a_draft_vocabulary_serves_its_rows_of_the_files_head(kquant_model_dir, tmp_path, head_kind):
+    """A head cut to a draft vocabulary (scatter_head) takes those rows of the file's head, in
+    the file's own blocks; its logits are theirs, -inf elsewhere."""
+    from specdec.core.drafter_checkpoint import scatter_head
+
+    model = _untied(kquant_model_dir)
+    write_gguf(tmp_path / "model.gguf", model, {"output": head_kind}, seed=11)
+    whole = model.lm_head.weight.detach().clone()
+    model.config.vocab_size = len(whole)  # the head's 32 rows, so that 16 of them (a K-quant row group) are a cut
+    ids = [0, 2, 3, 7, 11, 12, 15, 16, 17, 19, 20, 23, 24, 26, 29, 31]
+    scatter_head(model, ids)
+    load_gguf_linears(model, tmp_path / "model.gguf")
+    served = model.lm_head.head
+    assert type(served).__name__ == ("KQuantLinear" if head_kind == "Q6_K" else "BlockLinear")
+    assert torch.equal(served.dequantized_weight(), whole[ids])
+    hidden = torch.randn(3, model.config.hidden_size)
+    logits = model.lm_head(hidden)
+    assert torch.equal(logits[:, ids], served(hidden)) and torch.isinf(logits[:, [1, 4, 5, 30]]).all()
+
+
 def test_gguf_is_refused_for_a_model_that_is_not_a_gguf_file(kquant_model_dir):
     from specdec.core.models import ModelSpec, UnsupportedModel, load_model
 

@@ -36,7 +36,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "drafter with n-gram candidates: its drafter.ngram.method, else suffix), 'staged' (the config's drafter drafting "
         "with an n-gram second stage), 'oracle' (drafts the verifier alone's own greedy continuation of each prompt, "
         "recorded first through the same stack: the most any drafter could keep with each plan); NAME:unsteered runs a "
-        "steered drafter without its steering. With an n-gram drafter the run adds an `hf_prompt_lookup` row",
+        "steered drafter without its steering; NAME@N a drafter model with its head cut to its N most frequent tokens "
+        "(drafter.model.draft_vocab), e.g. model@32768. With an n-gram drafter the run adds an `hf_prompt_lookup` row",
     )
     parser.add_argument(
         "--adaptive", action="store_true",

@@ -417,7 +417,8 @@ def format_by_category(results: list[dict]) -> str:
 
 def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: Path, verifier_tokenizer) -> dict:
     """The drafter section of the stack that benchmarks one --drafters entry (the oracle's
-    source: its reference table in `references`)."""
+    source: its reference table in `references`; NAME@N: NAME with a draft vocabulary of N)."""
+    entry, _, vocab = entry.partition("@")
     own = entry in ("model", "hybrid", "staged")
     # Memory across requests only where the drafter decodes each prompt once: it then learns
     # from the other prompts, as in service; one that remembered a prompt's earlier run would
@@ -426,10 +427,11 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
     named_model = not own and entry != ORACLE and not is_model_free(entry)
     # A drafter model named on the command line: int8 (it reads any weights), on both cores
     # while it drafts (the config's one thread suits only a tiny drafter beside the verifier).
+    model = dataclasses.asdict(config.drafter.model) if own else {
+        "source": str(references) if entry == ORACLE else entry, **({"dtype": "int8"} if named_model else {})
+    }
     return {
-        "model": dataclasses.asdict(config.drafter.model) if own else {
-            "source": str(references) if entry == ORACLE else entry, **({"dtype": "int8"} if named_model else {})
-        },
+        "model": model | ({"draft_vocab": int(vocab)} if vocab else {}),
         **({"torch_threads": 0} if named_model else {}),
         "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,

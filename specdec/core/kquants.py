@@ -29,7 +29,7 @@ from specdec.core.kernels import native
 KQUANT_TYPES = ("Q4_K", "Q6_K")
 GGUF_TYPES = (*KQUANT_TYPES, *FILE_BLOCK_TYPES)  # what dtype gguf serves as stored
 SUPER = 256  # weights per super-block along a row
-_CHANNELS = 16  # output channels per packed group: one vector of the native kernel
+KQUANT_ROWS = 16  # output channels per packed group: one vector of the native kernel
 _FORMAT_CODES = {"Q4_K": 0, "Q6_K": 1}  # engine_cpu.cpp's KFormat
 _RAW_BYTES = {"Q4_K": 144, "Q6_K": 210}  # a super-block in the file
 _TINY = 1e-12  # the smallest activation scale: an all-zero super-block quantizes to zeros
@@ -95,29 +95,29 @@ def _factor_bytes(blocks: KBlocks, groups: int, supers: int) -> torch.Tensor:
     """[groups, supers, 256]: per sub-block of 32, Q4_K's a then b for the 16 channels; Q6_K's
     (a of inputs 0-15, a of 16-31) per channel."""
     if blocks.kind == "Q4_K":
-        per_32 = [t[:, ::2].reshape(groups, _CHANNELS, supers, 8) for t in (blocks.a, blocks.b)]
+        per_32 = [t[:, ::2].reshape(groups, KQUANT_ROWS, supers, 8) for t in (blocks.a, blocks.b)]
         return torch.stack(per_32, dim=3).permute(0, 2, 4, 3, 1).reshape(groups, supers, 256)
-    return blocks.a.view(groups, _CHANNELS, supers, 8, 2).permute(0, 2, 3, 1, 4).reshape(groups, supers, 256)
+    return blocks.a.view(groups, KQUANT_ROWS, supers, 8, 2).permute(0, 2, 3, 1, 4).reshape(groups, supers, 256)
 
 
 def pack(blocks: KBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 stream, groups int64 [N/16, 3]) in the native kernel's layout
     (engine_cpu.cpp): per group of 16 channels, its super-blocks one after another."""
     n, k = blocks.q.shape
-    if n % _CHANNELS or k % SUPER:
-        raise ValueError(f"K-quant tensors need rows in multiples of {_CHANNELS} and columns of {SUPER}, not {n} x {k}")
-    groups, supers = n // _CHANNELS, k // SUPER
+    if n % KQUANT_ROWS or k % SUPER:
+        raise ValueError(f"K-quant tensors need rows in multiples of {KQUANT_ROWS} and columns of {SUPER}, not {n} x {k}")
+    groups, supers = n // KQUANT_ROWS, k // SUPER
     # [group, channel, super, sub-block, half, step, 4] -> bytes [group, super, sub-block, step, channel, 4]
-    q = blocks.q.view(groups, _CHANNELS, supers, 8, 2, 4, 4)
+    q = blocks.q.view(groups, KQUANT_ROWS, supers, 8, 2, 4, 4)
     nibbles = ((q[:, :, :, :, 0] & 15) | ((q[:, :, :, :, 1] & 15) << 4)).permute(0, 2, 3, 4, 1, 5).reshape(groups, supers, 2048)
     parts = [nibbles]
     if blocks.kind == "Q6_K":
-        high = (q >> 4).view(groups, _CHANNELS, supers, 8, 8, 4)  # step s = half * 4 + i
+        high = (q >> 4).view(groups, KQUANT_ROWS, supers, 8, 8, 4)  # step s = half * 4 + i
         pairs = high[:, :, :, :, 0:2] | (high[:, :, :, :, 2:4] << 2) | (high[:, :, :, :, 4:6] << 4) | (high[:, :, :, :, 6:8] << 6)
         parts.append(pairs.permute(0, 2, 3, 4, 1, 5).reshape(groups, supers, 1024))
     parts.append(_factor_bytes(blocks, groups, supers).view(torch.uint8))
     for t in (blocks.d, blocks.dmin):
-        parts.append(t.view(groups, _CHANNELS, supers).transpose(1, 2).contiguous().view(torch.uint8).view(groups, supers, 32))
+        parts.append(t.view(groups, KQUANT_ROWS, supers).transpose(1, 2).contiguous().view(torch.uint8).view(groups, supers, 32))
     stream = torch.cat(parts, dim=-1).reshape(groups, -1)
     table = torch.tensor([[g * stream.shape[1], _FORMAT_CODES[blocks.kind], supers] for g in range(groups)], dtype=torch.int64)
     return stream.reshape(-1).contiguous(), table
@@ -141,24 +141,24 @@ def unpack(packed: torch.Tensor, table: torch.Tensor) -> list[KBlocks]:
     for kind, first, count in runs:
         start = int(table[first, 0])
         data = packed[start : start + count * _group_bytes(kind, supers)].view(count, supers, -1)
-        nibbles = data[..., :2048].view(count, supers, 8, 4, _CHANNELS, 4).permute(0, 4, 1, 2, 3, 5)
+        nibbles = data[..., :2048].view(count, supers, 8, 4, KQUANT_ROWS, 4).permute(0, 4, 1, 2, 3, 5)
         q = torch.stack([nibbles & 15, nibbles >> 4], dim=4)  # [group, channel, super, sub-block, half, step, 4]
         at = 2048
         if kind == "Q6_K":
-            pairs = data[..., at : at + 1024].view(count, supers, 8, 2, _CHANNELS, 4).permute(0, 4, 1, 2, 3, 5)
+            pairs = data[..., at : at + 1024].view(count, supers, 8, 2, KQUANT_ROWS, 4).permute(0, 4, 1, 2, 3, 5)
             high = torch.cat([(pairs >> shift) & 3 for shift in (0, 2, 4, 6)], dim=4).view(q.shape)
             q = q | (high << 4)
             at += 1024
         factors = data[..., at : at + 256].contiguous().view(torch.int8)
         if kind == "Q4_K":
-            ab = factors.view(count, supers, 8, 2, _CHANNELS).permute(3, 0, 4, 1, 2).repeat_interleave(2, -1)
-            a, b = (t.reshape(count * _CHANNELS, -1) for t in ab)
+            ab = factors.view(count, supers, 8, 2, KQUANT_ROWS).permute(3, 0, 4, 1, 2).repeat_interleave(2, -1)
+            a, b = (t.reshape(count * KQUANT_ROWS, -1) for t in ab)
         else:
-            a = factors.view(count, supers, 8, _CHANNELS, 2).permute(0, 3, 1, 2, 4).reshape(count * _CHANNELS, -1)
+            a = factors.view(count, supers, 8, KQUANT_ROWS, 2).permute(0, 3, 1, 2, 4).reshape(count * KQUANT_ROWS, -1)
             b = a
         halves = (data[..., at + 256 + i * 32 : at + 288 + i * 32].contiguous().view(torch.float16) for i in (0, 1))
-        d, dmin = (t.transpose(1, 2).reshape(count * _CHANNELS, -1).contiguous() for t in halves)
-        q = q.reshape(count * _CHANNELS, -1).contiguous()
+        d, dmin = (t.transpose(1, 2).reshape(count * KQUANT_ROWS, -1).contiguous() for t in halves)
+        q = q.reshape(count * KQUANT_ROWS, -1).contiguous()
         out.append(KBlocks(kind, q, a.contiguous(), b.contiguous(), d, dmin))
     return out
 
@@ -263,7 +263,9 @@ def load_gguf_linears(model: torch.nn.Module, gguf_path: Path) -> None:
     config = model.config
     tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
     targets = {f"blk.{i}.{g}.weight": f"model.layers.{i}.{m}" for i in range(config.num_hidden_layers) for g, m in _GGUF_LINEARS.items()}
-    targets["output.weight" if "output.weight" in tensors else "token_embd.weight"] = "lm_head"
+    # A head cut to a draft vocabulary (ScatteredHead) takes those rows of the file's.
+    head_rows = getattr(model, "draft_vocab_ids", None)
+    targets["output.weight" if "output.weight" in tensors else "token_embd.weight"] = "lm_head" if head_rows is None else "lm_head.head"
     others = sorted({tensors[name].tensor_type.name for name in targets if tensors[name].tensor_type.name not in GGUF_TYPES})
     if others:
         raise ValueError(f"{gguf_path.name} stores linears as {', '.join(others)}; dtype gguf serves {', '.join(GGUF_TYPES)} "
@@ -275,8 +277,10 @@ def load_gguf_linears(model: torch.nn.Module, gguf_path: Path) -> None:
         if config.model_type == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if name.split(".")[-2] == "attn_q" else config.num_key_value_heads
             raw = raw[_llama_rows(raw.shape[0], heads)]
+        if target == "lm_head.head":
+            raw = raw[head_rows.numpy()]
         module = modules[target]
-        sample = slice(0, min(_CHANNELS, raw.shape[0]))
+        sample = slice(0, min(KQUANT_ROWS, raw.shape[0]))
         expected = module.weight.detach()[sample].float()
         bias = None if getattr(module, "bias", None) is None else module.bias.detach().float()
         kind = tensor.tensor_type.name

@@ -20,7 +20,9 @@ from specdec.core.drafter_checkpoint import (
     base_model_of,
     is_drafter_checkpoint,
     load_drafter,
+    scatter_head,
 )
+from specdec.core.draft_vocab import draft_vocab_ids
 from specdec.core.engine import QUANTIZED, engine_for, torch_dtype
 from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.int8 import quantize_linears
@@ -35,7 +37,7 @@ from specdec.core.hub import (
     resolve_alias,
 )
 from specdec.core.kernels import KERNEL_SOURCE, native
-from specdec.core.kquants import GGUF_TYPES, load_gguf_linears
+from specdec.core.kquants import GGUF_TYPES, KQUANT_ROWS, load_gguf_linears
 from specdec.core.prompts import calibration_ids
 from specdec.core.timing import pass_times
 from specdec.core.tree import DraftTree, verification_inputs
@@ -61,6 +63,8 @@ class ModelSpec:
     layers: int | None = None
     dtype: str = "float32"  # the weight format: one of engine.WEIGHT_FORMATS, or auto (load_model)
     device: str = "cpu"
+    # A drafter's head cut to this many of its most frequent tokens (specdec/core/draft_vocab.py); 0 = all.
+    draft_vocab: int = 0
 
 
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
@@ -90,6 +94,12 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         model = load_model_weights_only(spec.source, dtype)
     if spec.layers is not None:
         truncate_layers(model, spec.layers)
+    if spec.draft_vocab:
+        if getattr(model, "draft_vocab_ids", None) is not None:
+            raise ValueError(f"draft_vocab: {spec.source} has a draft vocabulary of its own")
+        tokenizer = load_tokenizer(spec.source)
+        multiple = KQUANT_ROWS if gguf is not None else 1  # the file's K-quant head packs rows in groups
+        scatter_head(model, draft_vocab_ids(tokenizer, spec.draft_vocab, tokenizer_fingerprint(tokenizer), multiple))
     if gguf is not None:
         load_gguf_linears(model, gguf)
     elif spec.dtype in QUANTIZED:
@@ -125,7 +135,7 @@ def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
     key = {
         "cpu": name, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest(), "source": spec.source, "layers": spec.layers,
         "candidates": candidates, "kernels": kernels, "threads": torch.get_num_threads(),
-    }
+    } | ({"draft_vocab": spec.draft_vocab} if spec.draft_vocab else {})
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "formats" / f"{digest}.json"
 

