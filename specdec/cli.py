@@ -74,8 +74,10 @@ def cmd_serve(args) -> int:
     if not _fetch_models(config):
         return 1
     # Ctrl-C (SIGINT) or a container stop (SIGTERM) ends the wait below, once: a second one must
-    # not cut Ray's shutdown short (it prints errors and may leave processes behind).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # not cut Ray's shutdown short (it prints errors and may leave processes behind). SIGINT's
+    # handler is set too: a process started in the background of a script inherits it ignored.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.default_int_handler)
     try:
         print("starting Ray Serve: drafter, verifier and coordinator (a first start prepares the models once)...", flush=True)
         try:

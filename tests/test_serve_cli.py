@@ -34,8 +34,9 @@ def test_the_demo_prints_the_speedup_line_and_ctrl_c_stops_cleanly():
         ready = len(lines)
         os.killpg(server.pid, signal.SIGINT)
         started = time.monotonic()
-        lines += server.stdout.readlines()
-        assert server.wait(timeout=120) == 0, "".join(lines)
+        rest, _ = server.communicate(timeout=120)
+        lines += rest.splitlines(keepends=True)
+        assert server.returncode == 0, "".join(lines)
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
