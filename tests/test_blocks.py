@@ -139,6 +139,11 @@ def test_the_default_gguf_blocks_are_served_as_the_file_stores_them():
     assert torch.equal(d.view(-1), torch.from_numpy(raw[:, :2].copy().view(np.float16).reshape(-1)))
 
 
-def test_a_gguf_is_served_in_a_block_format_only_if_it_stores_its_layers_so():
+def test_a_gguf_is_served_in_a_block_format_only_if_it_stores_its_layers_so_or_may_be_requantized():
     with pytest.raises(UnsupportedModel, match="stores its layers as Q4_1; dtype q4_0 keeps a GGUF's Q4_0 blocks"):
         load_model(ModelSpec(BUILTIN_SMOLLM2, dtype="q4_0"))
+    model = load_model(ModelSpec(BUILTIN_SMOLLM2, dtype="q4_0", requantize=True, layers=2))  # a drafter made smaller
+    layers = [m for name, m in model.named_modules() if ".layers." in name and isinstance(m, BlockLinear)]
+    assert model.weight_format == "q4_0" and len(layers) == 14
+    with torch.inference_mode():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()

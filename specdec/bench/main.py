@@ -36,8 +36,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "drafter with n-gram candidates: its drafter.ngram.method, else suffix), 'staged' (the config's drafter drafting "
         "with an n-gram second stage), 'oracle' (drafts the verifier alone's own greedy continuation of each prompt, "
         "recorded first through the same stack: the most any drafter could keep with each plan); NAME:unsteered runs a "
-        "steered drafter without its steering; NAME@N a drafter model with its head cut to its N most frequent tokens "
-        "(drafter.model.draft_vocab), e.g. model@32768. With an n-gram drafter the run adds an `hf_prompt_lookup` row",
+        "steered drafter without its steering; NAME@N@FORMAT a drafter model with its head cut to its N most frequent tokens "
+        "(drafter.model.draft_vocab) and in the weight format FORMAT (a block format quantizes a GGUF's weights again), "
+        "each optional: model@32768, model@32768@q4_0. With an n-gram drafter the run adds an `hf_prompt_lookup` row",
     )
     parser.add_argument(
         "--adaptive", action="store_true",

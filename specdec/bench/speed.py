@@ -31,6 +31,7 @@ from specdec.bench.loopback import loopback_call_ms
 from specdec.bench.network import COLOCATED
 from specdec.bench.setup import BenchSetup
 from specdec.bench.stats import paired_ratio_interval, turn_order
+from specdec.core.blocks import BLOCK_FORMATS
 from specdec.core.ngram import is_model_free
 from specdec.core.oracle import ORACLE, write_references
 from specdec.core.tree import TreeShape
@@ -417,8 +418,9 @@ def format_by_category(results: list[dict]) -> str:
 
 def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: Path, verifier_tokenizer) -> dict:
     """The drafter section of the stack that benchmarks one --drafters entry (the oracle's
-    source: its reference table in `references`; NAME@N: NAME with a draft vocabulary of N)."""
-    entry, _, vocab = entry.partition("@")
+    source: its reference table in `references`; NAME@OPTION@...: NAME with a draft vocabulary
+    of N for an OPTION that is a number, in the weight format an OPTION names otherwise)."""
+    entry, *options = entry.split("@")
     own = entry in ("model", "hybrid", "staged")
     # Memory across requests only where the drafter decodes each prompt once: it then learns
     # from the other prompts, as in service; one that remembered a prompt's earlier run would
@@ -430,8 +432,10 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
     model = dataclasses.asdict(config.drafter.model) if own else {
         "source": str(references) if entry == ORACLE else entry, **({"dtype": "int8"} if named_model else {})
     }
+    for option in options:  # a block format from a file stored otherwise: quantized again
+        model |= {"draft_vocab": int(option)} if option.isdigit() else {"dtype": option, "requantize": option in BLOCK_FORMATS}
     return {
-        "model": model | ({"draft_vocab": int(vocab)} if vocab else {}),
+        "model": model,
         **({"torch_threads": 0} if named_model else {}),
         "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,

@@ -65,6 +65,9 @@ class ModelSpec:
     device: str = "cpu"
     # A drafter's head cut to this many of its most frequent tokens (specdec/core/draft_vocab.py); 0 = all.
     draft_vocab: int = 0
+    # A GGUF file stored in other formats may be quantized again to the block format `dtype` names
+    # (a drafter made smaller; by default a block format keeps the file's own blocks only).
+    requantize: bool = False
 
 
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
@@ -83,7 +86,7 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     `weight_format`."""
     if spec.dtype == AUTO:
         return _load_fastest(spec)
-    if spec.dtype in BLOCK_FORMATS:
+    if spec.dtype in BLOCK_FORMATS and not spec.requantize:
         _check_block_format(spec)
     gguf = _gguf_path(spec) if spec.dtype == "gguf" else None
     dtype = torch_dtype(spec.dtype)
@@ -230,7 +233,8 @@ def _check_block_format(spec: ModelSpec) -> None:
     if stored is not None and stored != {spec.dtype.upper()}:
         raise UnsupportedModel(
             f"{spec.source} stores its layers as {', '.join(sorted(stored))}; dtype {spec.dtype} keeps a GGUF's "
-            f"{spec.dtype.upper()} blocks as they are and takes no other format (int8 and float32 read any)"
+            f"{spec.dtype.upper()} blocks as they are and takes no other format (int8 and float32 read any; "
+            f"model.requantize: true quantizes its weights again)"
         )
 
 
