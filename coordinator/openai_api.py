@@ -338,7 +338,6 @@ def openai_app(frontend: OpenAIFrontend) -> FastAPI:
     def playground():
         return PLAYGROUND  # open, as /health is: the page holds no answers; its API calls send the key typed into it
 
-
     return app
 
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.browser: the one Chromium launcher
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.browser: the one Chromium launcher and page driver
 
 PROMPT = """Add a parameter `reverse: bool = False` to this function that sorts the other way, and reply with the whole function:
 
@@ -24,9 +24,8 @@ def top_scores(scores: dict[str, int], count: int) -> list[tuple[str, int]]:
 
 def main() -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    from tests.browser import chromium
+    from tests.browser import ask_playground, chromium
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://localhost:8000/")
@@ -37,15 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     browser = chromium()
     try:
-        browser.get(args.url)
-        WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text.startswith("serving"))
-        browser.execute_script(
-            "document.getElementById('prompt').value = arguments[0]; document.getElementById('max-tokens').value = arguments[1]",
-            args.prompt, str(args.max_tokens),
-        )
-        Select(browser.find_element(By.ID, "plan")).select_by_value(args.plan)
-        browser.find_element(By.ID, "run").click()
-        WebDriverWait(browser, 900).until(lambda b: b.find_element(By.ID, "answer").get_attribute("data-done") == "true")
+        ask_playground(browser, args.url, args.prompt, args.plan, args.max_tokens)
         browser.save_screenshot(args.out)
         print(f"{args.out}: {browser.find_element(By.ID, 'stat-rate').text} tok/s, "
               f"{browser.find_element(By.ID, 'stat-per-round').text} tokens per round, {browser.find_element(By.ID, 'plans').text}")

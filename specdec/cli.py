@@ -142,12 +142,12 @@ def _demo(address: str, prompt: str, token: str | None, root_certificates: bytes
     # so that no drafter has seen the demo's answer.
     client.generate(generate_request(WARM_UP_PROMPT, **fields | {"max_new_tokens": 32}))
     print(f"\n> {prompt}\n", flush=True)
-    answer = _stream_to_terminal(address, prompt, token, root_certificates, show_stats=False, **fields)
+    text, fast = _stream_to_terminal(client, generate_request(prompt, **fields), show_stats=False)
     print("(now the verifier alone, the same request, to compare...)", flush=True)
     alone = client.generate(generate_request(prompt, num_draft_tokens=0, adaptive=False, **fields))
     client.close()
-    fast, slow = answer.stats, alone.stats
-    same = "the same text" if answer.text == alone.text else "A DIFFERENT TEXT (please report this)"
+    slow = alone.stats
+    same = "the same text" if text == alone.text else "A DIFFERENT TEXT (please report this)"
     print(
         f"speculation {fast.tokens_per_second:.1f} tok/s, the verifier alone {slow.tokens_per_second:.1f} tok/s: "
         f"{fast.tokens_per_second / slow.tokens_per_second:.2f}x, {fast.mean_accepted_per_round:.2f} drafted tokens accepted per round "
@@ -156,28 +156,24 @@ def _demo(address: str, prompt: str, token: str | None, root_certificates: bytes
     )
 
 
-def _stream_to_terminal(
-    address: str, prompt: str, token: str | None = None, root_certificates: bytes | None = None, show_stats: bool = True, **fields
-):
-    """Prints the answer as it streams; returns its last message with the whole text."""
-    from specdec.serving.client import CoordinatorClient, format_stats, generate_request
+def _stream_to_terminal(client, request, show_stats: bool = True):
+    """Prints the answer as it streams; returns its whole text and the request's stats."""
+    from specdec.serving.client import format_stats
 
-    client = CoordinatorClient(address, token, root_certificates)
     text, last = [], None
-    for last in client.stream(generate_request(prompt, **fields)):
+    for last in client.stream(request):
         text.append(last.text)
         sys.stdout.write(last.text)
         sys.stdout.flush()
-    client.close()
     print(f"\n[finish: {last.finish_reason}]" + (f"\n{format_stats(last.stats)}" if show_stats else ""), flush=True)
-    last.text = "".join(text)
-    return last
+    return "".join(text), last.stats
 
 
 def cmd_generate(args) -> int:
     import grpc
 
     from specdec.core.tree import TreeShape
+    from specdec.serving.client import CoordinatorClient, generate_request
     from specdec.serving.wire import shape_to_proto
 
     overrides = tree_overrides(args)
@@ -189,12 +185,10 @@ def cmd_generate(args) -> int:
     except ValueError as err:
         print(f"error: --tree: {err}", file=sys.stderr)
         return 2
+    client = CoordinatorClient(args.address, args.token, _read_ca(args.tls_ca))
     try:
-        _stream_to_terminal(
-            args.address,
+        _stream_to_terminal(client, generate_request(
             args.prompt,
-            args.token,
-            _read_ca(args.tls_ca),
             use_chat_template=not args.raw,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -207,10 +201,12 @@ def cmd_generate(args) -> int:
             adaptive=args.adaptive,
             overlap=args.overlap,
             steering=args.steering,
-        )
+        ))
     except grpc.RpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+    finally:
+        client.close()
     return 0
 
 

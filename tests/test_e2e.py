@@ -167,9 +167,8 @@ def test_the_playground_page_marks_each_token_as_the_request_stats_count_it(ray_
     """The page at / in headless Chromium against the real stack: it streams the gRPC API's
     greedy text, and the tokens it marks drafted are the accepted drafts of its request's stats."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    from tests.browser import chromium
+    from tests.browser import ask_playground, chromium
 
     prompt = UNSEEN_PROMPTS[1]
     with grpc.insecure_channel(ray_stack) as channel:
@@ -178,15 +177,7 @@ def test_the_playground_page_marks_each_token_as_the_request_stats_count_it(ray_
         )
     browser = chromium()
     try:
-        browser.get(f"http://localhost:{serve_ports['http']}/")
-        WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text.startswith("serving"))
-        field = browser.find_element(By.ID, "prompt")
-        field.clear()
-        field.send_keys(prompt)
-        browser.execute_script("document.getElementById('max-tokens').value = '48'")
-        Select(browser.find_element(By.ID, "plan")).select_by_value("chain-4")
-        browser.find_element(By.ID, "run").click()
-        WebDriverWait(browser, 600).until(lambda b: b.find_element(By.ID, "answer").get_attribute("data-done") == "true")
+        ask_playground(browser, f"http://localhost:{serve_ports['http']}/", prompt, "chain-4", 48, timeout_s=600)
         browser.save_screenshot(str(tmp_path / "playground.png"))
         assert browser.find_element(By.ID, "error").text == ""
         answer = browser.execute_script("return document.getElementById('answer').textContent")

