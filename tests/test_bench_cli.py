@@ -114,3 +114,25 @@ def test_code_edit_prompts_hold_the_reference_function_to_rewrite():
     # the whole function: the completion prompt's signature and docstring, then the reference body
     assert "def has_close_elements(" in edits[0]["prompt"] and "return False" in edits[0]["prompt"]
     assert "return False" not in completions[0]["prompt"]
+
+
+def test_fresh_completion_prompts_ask_for_the_body_alone():
+    from specdec.core.prompts import evaluation_split, load_prompts
+
+    fresh = evaluation_split(load_prompts("humaneval-fresh"), 2)
+    assert [r["question_id"] for r in fresh] == [0, 4] and {r["category"] for r in fresh} == {"humaneval-fresh"}
+    assert fresh[0]["prompt"].startswith("Complete this Python function. Reply with code only: the lines of its body")
+    assert "def has_close_elements(" in fresh[0]["prompt"] and "return False" not in fresh[0]["prompt"]
+
+
+def test_a_drafters_entry_names_its_draft_vocabulary_and_format():
+    """--drafters NAME@N@FORMAT: the stack's drafter section (a block format quantizes a GGUF again)."""
+    from specdec.bench.speed import _drafter_args
+    from specdec.serving.config import config_from_dict
+
+    config = config_from_dict({"drafter": {"model": {"source": "smollm2-135m-drafter", "dtype": "int8"}}})
+    model = _drafter_args("model@4096@q4_0", config, True, None, None)["model"]
+    assert (model["source"], model["draft_vocab"], model["dtype"], model["requantize"]) == ("smollm2-135m-drafter", 4096, "q4_0", True)
+    model = _drafter_args("model@0", config, True, None, None)["model"]
+    assert (model["draft_vocab"], model["dtype"], model["requantize"]) == (0, "int8", False)
+    assert _drafter_args("model@int8", config, True, None, None)["model"]["requantize"] is False

@@ -49,6 +49,8 @@ def test_a_cut_head_gives_its_rows_logits_and_minus_inf_elsewhere(tiny_dirs, dty
 def test_only_a_drafter_model_takes_a_draft_vocabulary():
     with pytest.raises(ConfigError, match="verifier.model.draft_vocab: the verifier decides over the whole vocabulary"):
         config_from_dict({"verifier": {"model": {"source": BUILTIN_SMOLLM2, "draft_vocab": 1024}}})
+    with pytest.raises(ConfigError, match=r"drafter.model.draft_vocab must be >= 0 \(0 = the whole vocabulary\)"):
+        config_from_dict({"drafter": {"model": {"source": BUILTIN_SMOLLM2, "draft_vocab": -1}}})
     with pytest.raises(ConfigError, match="drafter.model.draft_vocab cuts a drafter model's head"):
         config_from_dict({"drafter": {"model": {"source": "suffix", "draft_vocab": 1024}}})
     assert config_from_dict({"drafter": {"model": {"source": BUILTIN_SMOLLM2, "draft_vocab": 1024}}}).drafter.model.draft_vocab == 1024

@@ -361,6 +361,7 @@ class Config:
             service = getattr(self, name)
             checks += [
                 (service.model.layers is None or service.model.layers >= 1, f"{name}.model.layers must be >= 1"),
+                (service.model.draft_vocab >= 0, f"{name}.model.draft_vocab must be >= 0 (0 = the whole vocabulary)"),
                 (
                     service.model.dtype in (*WEIGHT_FORMATS, AUTO),
                     f"{name}.model.dtype must be one of {', '.join(WEIGHT_FORMATS)} or {AUTO}",
