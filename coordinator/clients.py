@@ -12,6 +12,7 @@ from typing import Callable
 
 import grpc
 
+from specdec.core.grammar import GrammarState
 from specdec.core.tree import TreeShape
 from specdec.serving.rpc import CallCost, ServiceError
 from specdec.serving.wire import shape_to_proto
@@ -46,6 +47,7 @@ class ServiceCall:
     own_tokens_drafted: int = 0  # a drafter of another tokenizer: DraftResponse's counters
     reencode_rollbacks: int = 0
     mapping_ms: float = 0.0
+    grammar_ms: float = 0.0  # of compute_ms, the verifier's masking by the request's constraint
     opened: bool = False  # the call (re)opened the session: its compute includes reading the context
     handler_ms: float = 0.0  # the whole call inside the service, its compute included
 
@@ -300,9 +302,13 @@ class PairSession:
 
     def __init__(
         self, pair: ServicePair, session_id: str, sampling: common_pb2.SamplingParams, context: list[int], steering: bool = False,
-        verifier_state: bool = False, deadline: float | None = None,
+        verifier_state: bool = False, deadline: float | None = None, constraint: common_pb2.Constraint | None = None,
+        grammar: GrammarState | None = None,
     ):
         self.pair = pair
+        # Structured outputs: the constraint the verifier masks by, and where the committed output
+        # stands in its grammar (the coordinator drafts what it forces and drops what it forbids).
+        self.constraint, self.grammar = constraint, grammar
         self.deadline = deadline  # time.monotonic() by which the request must be answered; None = none
         self.session_id = session_id
         self.sampling = sampling
@@ -323,11 +329,12 @@ class PairSession:
 
     def draft(
         self, num_tokens: int, shape: TreeShape, assumed: list[int] = (), context_length: int | None = None,
-        pick_excludes: list[int] = (),
+        pick_excludes: list[int] = (), forced: list[int] = (),
     ) -> tuple[drafter_pb2.DraftResponse, ServiceCall]:
         """A draft after the committed context, or (overlapped drafting) after its first
         `context_length` tokens plus `assumed` ones and the drafter's pick of the next (not one
-        of `pick_excludes`), while a verify call is in flight."""
+        of `pick_excludes`), while a verify call is in flight; after `forced` tokens (a
+        constraint's) that follow all of those."""
         context = self.context[:context_length]
         steering = self.steering_vector  # the first round, before any vector exists, is unsteered
         state_positions = self._state_log.positions  # a verify call in flight may add more meanwhile
@@ -344,6 +351,7 @@ class PairSession:
                 tree_shape=shape_to_proto(shape),
                 assumed_token_ids=assumed,
                 pick_excludes=pick_excludes,
+                forced_token_ids=forced,
             )
             if steering is not None:
                 message.steering.CopyFrom(steering)
@@ -371,6 +379,10 @@ class PairSession:
         call.mapping_ms = reply.mapping_ms
         return reply, call
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the request's constraint forces next; [] without one."""
+        return self.grammar.forced(limit) if self.grammar is not None else []
+
     @property
     def can_draft(self) -> bool:
         """A drafter that reads verifier state drafts after that of every committed position but
@@ -395,7 +407,7 @@ class PairSession:
             if reopen:
                 message.start.CopyFrom(common_pb2.SessionStart(
                     context_token_ids=self.context, sampling=self.sampling, prompt_length=self.prompt_length,
-                    keep_verifier_state=self.verifier_state,
+                    keep_verifier_state=self.verifier_state, constraint=self.constraint,
                 ))
             return message
 
@@ -405,6 +417,9 @@ class PairSession:
         self._verifier_open = True
         self._verifier_round += 1
         self.context.extend(reply.token_ids)
+        call.grammar_ms = reply.grammar_ms
+        if self.grammar is not None:
+            self.grammar.advance(reply.token_ids)
         if reply.HasField("steering"):
             self.steering_vector = reply.steering
             call.steering_ms, call.steering_bytes = reply.steering_ms, len(reply.steering.data)

@@ -11,14 +11,17 @@ from typing import Iterator, Protocol
 import grpc
 
 from coordinator.budget import (
+    FORCED_ONLY,
     Plan,
     RoundReport,
     VerifyCosts,
     goodput_cut,
 )
 from coordinator.clients import PairSession
+from specdec.core.grammar import below_forced, prune_tree
 from specdec.core.tree import ROOT, DraftTree, TreeShape
-from specdec.v1 import common_pb2, coordinator_pb2
+from specdec.serving.wire import tree_from_proto, tree_to_proto
+from specdec.v1 import common_pb2, coordinator_pb2, drafter_pb2
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,11 @@ class Meter:
     draft_own_tokens: int = 0
     draft_reencode_rollbacks: int = 0
     draft_mapping_ms: float = 0.0
+    grammar_compile_ms: float = 0.0  # structured outputs: the constraint's compile, the verifier's masking,
+    grammar_mask_ms: float = 0.0  # the coordinator's forced tokens and pruning, and the forced tokens
+    grammar_draft_ms: float = 0.0  # drafted and accepted
+    forced: int = 0
+    accepted_forced: int = 0
     accepted_counts: Counter = field(default_factory=Counter)  # speculative rounds by draft tokens accepted
     plan_rounds: Counter = field(default_factory=Counter)
     speculative_anatomy: Anatomy = field(default_factory=Anatomy)
@@ -111,6 +119,7 @@ class Meter:
             self.verify_compute_ms += call.compute_ms
             self.verify_wire_ms += call.overhead_ms
             self.verify_steering_ms += call.steering_ms
+            self.grammar_mask_ms += call.grammar_ms
         self.steering_bytes += call.steering_bytes
         self.verifier_state_bytes += call.verifier_state_bytes
         self.draft_forward_passes += call.forward_passes
@@ -170,6 +179,11 @@ class Meter:
             ],
             speculative_anatomy=self.speculative_anatomy.means(),
             verifier_alone_anatomy=self.verifier_alone_anatomy.means(),
+            grammar_compile_ms=self.grammar_compile_ms,
+            grammar_mask_ms=self.grammar_mask_ms,
+            grammar_draft_ms=self.grammar_draft_ms,
+            forced_tokens=self.forced,
+            accepted_forced_tokens=self.accepted_forced,
         )
 
 
@@ -231,10 +245,11 @@ def decode_rounds(
 @dataclass
 class _Drafted:
     draft: object  # the DraftResponse
-    call: object  # its ServiceCall
+    call: object  # its ServiceCall; None for the forced tokens of a constraint alone
     shape: TreeShape  # the round's tree shape (the next overlapped draft takes it too)
     exposed_draft_ms: float  # what the round waited for: 0 for a draft made while the last round was verified
     exposed_wire_ms: float
+    forced: int = 0  # the tree's first nodes, a chain of the tokens the request's constraint forces
 
 
 @dataclass
@@ -261,29 +276,64 @@ class _Rounds:
         plan, self.carried.deferred = self.carried.deferred or policy.choose(), None
         return plan
 
+    # Forced tokens drafted at most a round: a whole JSON key with its quotes is ~5.
+    MAX_FORCED = 32
+
     def draft(self, plan: Plan, remaining: int) -> tuple[_Drafted | None, Plan]:
         """This round's draft (None: the plan drafts none, or the drafter cannot now) and its
-        plan: an overlapped draft ready from the last round brings the plan it was made for."""
-        depth = min(self.shape.max_depth or plan.budget, remaining - 1)  # the verifier always adds one token
+        plan: an overlapped draft ready from the last round brings the plan it was made for.
+        Under a constraint the draft starts with the tokens it forces (drafted by no model,
+        also where the plan drafts none) and keeps only the nodes it allows."""
+        started = time.perf_counter()
+        forced = self.session.forced(min(remaining - 1, self.MAX_FORCED))
+        self.meter.grammar_draft_ms += (time.perf_counter() - started) * 1e3
+        depth = min(self.shape.max_depth or plan.budget, remaining - 1 - len(forced))  # the verifier always adds one token
         if not (plan.budget and depth > 0 and self.session.can_draft and self.standby.ready()):
-            return None, plan
+            return self._forced_only(forced), plan
         # A depth the request left open stays the tree builder's choice (a lattice drafts half
         # its budget deep) unless the tokens left cap it.
-        round_depth = 0 if not self.shape.max_depth and plan.budget <= remaining - 1 else depth
+        round_depth = 0 if not self.shape.max_depth and plan.budget <= remaining - 1 - len(forced) else depth
         shape = replace(self.shape, method=plan.method, max_depth=round_depth, ngram=plan.ngram or self.shape.ngram)
         if self.carried.ahead is not None:  # its guess came true: this round's draft is ready
             (draft, call, plan), self.carried.ahead = self.carried.ahead, None
             drafted = _Drafted(draft, call, shape, 0.0, 0.0)
             self.meter.overlap_hits += 1
+            forced = []  # drafted before the tokens it forces were known: it is only pruned
         else:
-            draft, call = self.standby.draft(self.session, plan.budget, shape)
+            draft, call = self.standby.draft(self.session, plan.budget, shape, forced=forced)
             if draft is None:
-                return None, plan
+                return self._forced_only(forced), plan
             self.meter.add_call(call, is_draft=True)
             drafted = _Drafted(draft, call, shape, call.compute_ms, call.overhead_ms)
+        if self.session.grammar is not None:
+            drafted.draft, drafted.forced = self._constrained(drafted.draft, forced), len(forced)
         if drafted.draft.confidence:
             drafted.draft = _worth_verifying(drafted.draft, self.costs)
         return drafted, plan
+
+    def _constrained(self, draft, forced: list[int]):
+        """The draft (made after the forced tokens) without the nodes the constraint forbids,
+        below a chain of the forced tokens (confident: only the tokenization may differ)."""
+        started = time.perf_counter()
+        after = self.session.grammar.copy()
+        after.advance(forced)
+        tree = tree_from_proto(draft.tree)
+        kept = prune_tree(tree, after)
+        constrained = drafter_pb2.DraftResponse()
+        constrained.CopyFrom(draft)
+        constrained.tree.CopyFrom(tree_to_proto(below_forced(forced, tree.subtree(kept))))
+        del constrained.confidence[:]
+        if draft.confidence:
+            constrained.confidence.extend([1.0] * len(forced) + [draft.confidence[n] for n in kept])
+        self.meter.grammar_draft_ms += (time.perf_counter() - started) * 1e3
+        return constrained
+
+    def _forced_only(self, forced: list[int]) -> _Drafted | None:
+        """A draft of the constraint's forced tokens alone (no drafter call); None without any."""
+        if not forced:
+            return None
+        draft = drafter_pb2.DraftResponse(tree=common_pb2.DraftTree(token_ids=forced, parent=list(range(-1, len(forced) - 1))))
+        return _Drafted(draft, None, self.shape, 0.0, 0.0, forced=len(forced))
 
     def verify_alone(self, plan: Plan, fused: int):
         """`fused` tokens from the verifier alone; (report, verdict, call). A drafter that reads
@@ -307,8 +357,10 @@ class _Rounds:
         """The draft verified; with overlap the next round's draft is made meanwhile, assuming
         the likeliest outcome, and kept where that came true. (report, verdict, call)."""
         session, meter, tree = self.session, self.meter, drafted.draft.tree
+        if drafted.call is None:  # the constraint's forced tokens alone
+            plan = FORCED_ONLY
         structure = DraftTree(list(tree.token_ids), list(tree.parent))  # parents only: no proposals needed here
-        if self.overlap is None:
+        if self.overlap is None or drafted.call is None:
             verdict, call = session.verify(tree, verifier_state=True)
         else:
             context_length = len(session.context)
@@ -324,7 +376,7 @@ class _Rounds:
         report = RoundReport(
             plan=plan, accepted=verdict.num_accepted_draft_tokens, depth=max(structure.depths(), default=0), verified_tokens=1 + nodes,
             draft_ms=drafted.exposed_draft_ms, verify_ms=call.compute_ms, draft_wire_ms=drafted.exposed_wire_ms,
-            verify_wire_ms=call.overhead_ms, opened=call.opened or drafted.call.opened,
+            verify_wire_ms=call.overhead_ms, opened=call.opened or (drafted.call is not None and drafted.call.opened),
             batch_rows=verdict.batch_rows, batch_sessions=verdict.batch_sessions,
         )
         if not call.opened:
@@ -333,6 +385,8 @@ class _Rounds:
         meter.accepted += verdict.num_accepted_draft_tokens
         meter.accepted_counts[verdict.num_accepted_draft_tokens] += 1
         meter.drafted += nodes
+        meter.forced += drafted.forced
+        meter.accepted_forced += min(verdict.num_accepted_draft_tokens, drafted.forced)
         return report, verdict, call
 
     def account(self, policy: RoundPolicy, report: RoundReport, drafted: _Drafted | None, verify_call) -> None:
@@ -344,7 +398,10 @@ class _Rounds:
         report.wall_ms = (ended - carried.began) * 1e3
         if not fetched_state or report.opened:
             carried.began = ended
-            policy.observe(report)
+            if drafted is None or drafted.call is not None:  # a round of forced tokens alone is no plan's
+                # The policy prices its plans by the drafter's tokens: forced ones come whatever the plan.
+                forced = drafted.forced if drafted is not None else 0
+                policy.observe(replace(report, accepted=max(report.accepted - forced, 0), depth=report.depth - forced))
             if not (report.opened or carried.folded):  # the anatomy counts rounds that are only themselves
                 anatomy = self.meter.verifier_alone_anatomy if drafted is None else self.meter.speculative_anatomy
                 anatomy.add(report, None if drafted is None else drafted.call, verify_call)
@@ -387,10 +444,10 @@ class DrafterStandby:
     def ready(self) -> bool:
         return self.meter.rounds >= self.next_try
 
-    def draft(self, session: PairSession, *args):
-        """session.draft(*args), or (None, None) when the drafter failed."""
+    def draft(self, session: PairSession, *args, **kwargs):
+        """session.draft(*args, **kwargs), or (None, None) when the drafter failed."""
         try:
-            result = session.draft(*args)
+            result = session.draft(*args, **kwargs)
         except grpc.RpcError as err:
             self.streak += 1
             self.meter.drafter_failures += 1

@@ -18,6 +18,7 @@ from coordinator.budget import BudgetController, Plan, RoundReport, VerifyCosts
 from coordinator.clients import PairSession, Replicas, ServicePair
 from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
+from specdec.core.grammar import ConstraintError, GrammarState, Grammars, constraint_from_proto
 from specdec.core.models import load_tokenizer
 from specdec.core.prompts import chat_ids
 from specdec.core.sampling import validate_sampling
@@ -73,6 +74,7 @@ class Coordinator:
         # longer than this cannot fit the context: refused before it is tokenized.
         self.max_prompt_chars = self.max_context * max(len(t) for t in self.tokenizer.get_vocab())
         self.steering_problem = pair.steering_problem()  # None = the pair can steer; fixed at start
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_ids), limits.max_constraint_bytes)
         adaptive = config.adaptive
         plans = [Plan(0)] + [Plan(b) for b in adaptive.chain_budgets] + [Plan(b, adaptive.tree_method) for b in adaptive.tree_budgets]
         plans += [Plan(b, "chain", adaptive.hybrid_ngram) for b in adaptive.hybrid_budgets]
@@ -145,6 +147,16 @@ class Coordinator:
             raise invalid(f"the prompt has {len(ids)} tokens; the verifier's context is {self.max_context}")
         return list(ids)
 
+    def grammar(self, request: coordinator_pb2.GenerateRequest) -> tuple[GrammarState | None, float]:
+        """The request's constraint compiled (a fresh state of its grammar), and the ms that took
+        (0 when cached); (None, 0) without one."""
+        if not request.HasField("constraint") or request.constraint.WhichOneof("kind") is None:
+            return None, 0.0
+        try:
+            return self.grammars.state(constraint_from_proto(request.constraint))
+        except ConstraintError as err:
+            raise invalid(f"constraint: {err}") from None
+
     def check_request(self, request: coordinator_pb2.GenerateRequest) -> Settings:
         """Validates the generation parameters; returns them with the server's defaults filled in."""
         limits = self.limits
@@ -198,6 +210,7 @@ class Coordinator:
         settings = self.check_request(request)
         budget, adaptive, overlap = settings.budget, settings.adaptive, settings.overlap
         prompt = self.prompt_ids(request)
+        grammar, compile_ms = self.grammar(request)
         max_new = min(settings.max_new_tokens, self.max_context - len(prompt) - max(budget, self.largest_budget if adaptive else 0) - 1)
         sampling = common_pb2.SamplingParams(
             temperature=request.temperature,
@@ -206,11 +219,14 @@ class Coordinator:
             seed=request.seed,
         )
         verifier_state = self.pair.verifier_state and (adaptive or budget > 0)
-        session = PairSession(self.pair, uuid.uuid4().hex, sampling, prompt, settings.steering, verifier_state, deadline)
+        session = PairSession(
+            self.pair, uuid.uuid4().hex, sampling, prompt, settings.steering, verifier_state, deadline,
+            constraint=request.constraint if grammar is not None else None, grammar=grammar,
+        )
         if on_end is not None:
             on_end(session.close)
         output = OutputTracker(self.tokenizer, self.eos_ids, list(request.stop), max_new)
-        meter = Meter()
+        meter = Meter(grammar_compile_ms=compile_ms)
         try:
             policy = self.controllers[request.temperature == 0, overlap] if adaptive else FixedPolicy(Plan(budget, settings.tree.method))
             pool = self.verify_pool if overlap else None

@@ -77,6 +77,7 @@ class DraftingSessions:
         steering: torch.Tensor | None = None,
         verifier_state: VerifierState | None = None,
         pick_excludes: list[int] = (),
+        forced: list[int] = (),
         round_number: int = 0,
     ) -> Generator[Any, Any, Draft]:
         """A job (specdec/core/batching.py) whose value is the Draft: commits new_tokens and drafts
@@ -95,7 +96,9 @@ class DraftingSessions:
         except ValueError as err:
             raise RequestError(f"tree_shape: {err}") from None
         self.drafter.check(shape)
-        for name, ids in (("new_token_ids", new_tokens), ("assumed_token_ids", assumed), ("pick_excludes", pick_excludes)):
+        for name, ids in (
+            ("new_token_ids", new_tokens), ("assumed_token_ids", assumed), ("pick_excludes", pick_excludes), ("forced_token_ids", forced)
+        ):
             bad = [t for t in ids if not 0 <= t < info.vocab_size]
             if bad:
                 raise RequestError(f"{name} has token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
@@ -108,9 +111,10 @@ class DraftingSessions:
                     f"session '{session_id}' is out of sync: it holds {len(session.tokens)} tokens, "
                     f"{len(new_tokens)} new ones do not make committed_length {committed_length}; re-open it"
                 )
-            if committed_length + len(assumed) + 1 + num_tokens > info.max_context:
+            ahead = len(assumed) + 1 + len(forced) + num_tokens
+            if committed_length + ahead > info.max_context:
                 raise PastContext(f"drafting would exceed the model's context of {info.max_context}")
-            check_kv_room(committed_length + len(assumed) + 1 + num_tokens, info.kv_bytes_per_token, self.limits)
+            check_kv_room(committed_length + ahead, info.kv_bytes_per_token, self.limits)
             if verifier_state is not None:
                 self.drafter.take_verifier_state(session, verifier_state)
             self._commit(session, new_tokens)
@@ -118,7 +122,7 @@ class DraftingSessions:
             context = session.tokens + list(assumed)
             steering_ms = self.drafter.begin_round(session, steering)
             try:
-                proposal = yield from self._draft_after(session, context, shape, num_tokens, pick_excludes)
+                proposal = yield from self._draft_after(session, context, shape, num_tokens, pick_excludes, list(forced))
             finally:
                 self.drafter.end_round(session)
             forwards, own_tokens, rollbacks, mapping_ms = (now - then for now, then in zip(_counters(session), before))
@@ -138,16 +142,18 @@ class DraftingSessions:
             proposer.learn(last, new_tokens)
             session.lesson = None
 
-    def _draft_after(self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick_excludes: list[int]):
+    def _draft_after(
+        self, session: DrafterSession, context: list[int], shape: TreeShape, budget: int, pick_excludes: list[int], forced: list[int]
+    ):
         """The tree after `context`, first extended by the drafter's pick of the next token in
         overlapped drafting (assumed tokens, or a guess that none were accepted: the rejected
-        ones excluded from the pick). No pick, no draft."""
+        ones excluded from the pick; no pick, no draft), then by the `forced` tokens."""
         if len(context) > len(session.tokens) or pick_excludes:
             picked = yield from self.drafter.pick(session, context, shape, pick_excludes)
             if picked is None:
                 return ScoredTree(DraftTree(), [])
             context.append(picked)
-        return (yield from self.drafter.draft(session, context, shape, budget))
+        return (yield from self.drafter.draft(session, context + forced, shape, budget))
 
 
 def _counters(session: DrafterSession) -> tuple:

@@ -77,7 +77,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 session_id=request.session_id, session=session, new_tokens=list(request.new_token_ids),
                 committed_length=request.committed_length, num_tokens=request.num_draft_tokens, shape=shape,
                 assumed=list(request.assumed_token_ids), steering=steering, verifier_state=verifier_state,
-                pick_excludes=list(request.pick_excludes), round_number=request.round,
+                pick_excludes=list(request.pick_excludes), forced=list(request.forced_token_ids), round_number=request.round,
             )
             draft = self.batcher.run(job, request.session_id)  # the drafts of sessions that arrive together share forwards
         self.engine.sessions.fit(request.session_id)  # the grown cache may push others out

@@ -7,6 +7,7 @@ import grpc
 
 from specdec.core.batching import Batcher
 from specdec.core.batching import ComputeThread
+from specdec.core.grammar import constraint_from_proto
 from specdec.core.models import set_torch_threads
 from specdec.serving.config import LimitsConfig
 from specdec.serving.rpc import InProcessClient, invalid, reports_errors, start_model_server
@@ -40,7 +41,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
             session = self.batcher.call(
                 request.session_id, self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling,
-                request.start.prompt_length, request.start.keep_verifier_state,
+                request.start.prompt_length, request.start.keep_verifier_state, constraint_from_proto(request.start.constraint),
             )
         else:
             session = self.engine.sessions.get(request.session_id)
@@ -61,6 +62,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             verifier_state_ms=result.verifier_state_ms,
             batch_rows=result.batch_rows,
             batch_sessions=result.batch_sessions,
+            grammar_ms=result.grammar_ms,
         )
 
     @reports_errors

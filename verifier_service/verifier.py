@@ -12,6 +12,7 @@ import torch
 from specdec.core.batching import Job, run_alone
 from specdec.core.engine import ForwardCall, engine_for
 from specdec.core.errors import PastContext, RequestError, StaleSession
+from specdec.core.grammar import Constraint, ConstraintError, GrammarState, Grammars, mask_rows, mask_tree_rows
 from specdec.core.feature_head import features_to_state, load_feature_fuse, state_name
 from specdec.core.kv_cache import KVCache, TransformersCache
 from specdec.core.models import (
@@ -51,6 +52,7 @@ class RoundResult:
     verifier_state_ms: float = 0.0
     batch_rows: float = 0.0  # the passes this round ran in: mean rows, and mean sessions sharing them
     batch_sessions: float = 0.0
+    grammar_ms: float = 0.0  # of compute_ms, masking logits by the session's constraint
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class VerifierSession:
     features_sent: int = 0
     # [rows, 3, hidden] each: the depths of the positions after feature_rows, not fused yet
     unfused: list[torch.Tensor] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured outputs: where the committed output stands in its grammar
+    grammar_ms: float = 0.0  # the running round's masking
 
     @property
     def num_cached(self) -> int:
@@ -113,6 +117,17 @@ class Verifier:
         self.prefix = None
         if prefix_cache_mib and self.engine.batch_invariant:
             self.prefix = PrefixCache(int(prefix_cache_mib * 2**20), tuple(self.fuse.layers) if self.fuse else ())
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, sorted(self.eos_ids), limits.max_constraint_bytes)
+
+    def grammar_state(self, constraint: Constraint, output: list[int]) -> GrammarState:
+        """The constraint's grammar after `output` (a re-opened session's tokens so far)."""
+        try:
+            state, _ = self.grammars.state(constraint)
+        except ConstraintError as err:
+            raise RequestError(f"start.constraint: {err}") from None
+        if not state.advance(output):
+            raise RequestError("start.context_token_ids: the output after prompt_length breaks start.constraint")
+        return state
 
     def check_sizes(self, num_nodes: int, num_parents: int, fused_tokens: int) -> None:
         """The size limits of a Verify call, checked before any work (a session opened, a tree
@@ -126,7 +141,8 @@ class Verifier:
             raise RequestError("fused_tokens is only for an empty tree (verifier-only generation)")
 
     def open_session(
-        self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0, keep_verifier_state: bool = False
+        self, session_id: str, context: list[int], sampling: Sampling, prompt_length: int = 0, keep_verifier_state: bool = False,
+        constraint: Constraint | None = None,
     ) -> VerifierSession:
         check_context(context, self.vocab_size, self.max_context, "start.context_token_ids")
         if prompt_length > len(context):
@@ -136,8 +152,11 @@ class Verifier:
                 "start.keep_verifier_state asks for verifier state, but this verifier fills none: it has no feature head "
                 "checkpoint loaded (a feature-head drafter's directory)"
             )
+        prompt_length = prompt_length or len(context)
+        grammar = self.grammar_state(constraint, context[prompt_length:]) if constraint is not None else None
         session = VerifierSession(
-            list(context), sampling, self.engine.new_cache(), prompt_length=prompt_length or len(context), keep_features=keep_verifier_state
+            list(context), sampling, self.engine.new_cache(), prompt_length=prompt_length, keep_features=keep_verifier_state,
+            grammar=grammar,
         )
         self.sessions.put(session_id, session)
         return session
@@ -187,7 +206,7 @@ class Verifier:
                 raise PastContext(f"the session would exceed the model's context of {self.max_context} tokens")
             check_kv_room(len(session.tokens) + len(tree) + max(fused_tokens, 1), self.kv_bytes_per_token, self.limits)
             start = time.perf_counter()
-            session.passes = []
+            session.passes, session.grammar_ms = [], 0.0
             features_start = session.num_cached
             # The residual-stream depths the round reads: all of them to steer, the fused three for features.
             fuse = verifier_state or session.keep_features
@@ -220,6 +239,7 @@ class Verifier:
                 token_ids=new_tokens, num_accepted=num_accepted, committed_length=len(session.tokens), compute_ms=compute_ms,
                 steering=vector, steering_ms=steering_ms, verifier_state=fused, verifier_state_ms=features_ms,
                 batch_rows=sum(p.rows for p in session.passes) / passes, batch_sessions=sum(p.sessions for p in session.passes) / passes,
+                grammar_ms=session.grammar_ms,
             )
             session.last_round, session.last_result = round_number, result
             return result
@@ -262,9 +282,18 @@ class Verifier:
         return output
 
     def _choose(self, session: VerifierSession, logits: torch.Tensor, position: int) -> int:
+        """The verifier's token after one row of logits (constrained: among those its grammar allows)."""
+        if session.grammar is not None:
+            start = time.perf_counter()
+            logits = mask_rows(logits, session.grammar.allowed())
+            session.grammar_ms += (time.perf_counter() - start) * 1e3
         if session.sampling.greedy:
-            return greedy_tokens(logits)[0]
-        return sample(warp_probs(logits, session.sampling), position_generator(session.sampling.seed, position))
+            token = greedy_tokens(logits)[0]
+        else:
+            token = sample(warp_probs(logits, session.sampling), position_generator(session.sampling.seed, position))
+        if session.grammar is not None:
+            session.grammar.advance([token])
+        return token
 
     def _generate(self, session: VerifierSession, max_tokens: int, depths: tuple[int, ...]) -> Job:
         """The new tokens, and the hidden states at `depths` of the positions read, all of which
@@ -299,6 +328,10 @@ class Verifier:
             position_ids=positions,
             attention_mask=mask,
         )
+        if session.grammar is not None:  # each row masked by its own path's grammar state
+            start = time.perf_counter()
+            logits = mask_tree_rows(logits, tree, session.grammar)
+            session.grammar_ms += (time.perf_counter() - start) * 1e3
         if session.sampling.greedy:
             path, next_token = accept_greedy(tree, greedy_tokens(logits))
         else:
@@ -307,6 +340,8 @@ class Verifier:
         committed_len = num_cached + len(pending)
         session.cache.keep_positions(committed_len, [committed_len + node for node in path])
         committed = list(range(len(pending))) + [len(pending) + node for node in path]
+        if session.grammar is not None:
+            session.grammar.advance([tree.token_ids[node] for node in path] + [next_token])
         read = None if states is None else tuple(h[0, committed] for h in states)
         if prefilled:
             read = tuple(torch.cat([before[0], after]) for before, after in zip(prefilled, read))

@@ -115,6 +115,9 @@ class LimitsConfig:
     # A message between the services; the largest are a re-opened session's verifier features
     # (context x hidden size x 2 bytes: 9 MiB for the default pair at its full 8k context).
     max_message_mib: PositiveFloat = 64.0
+    # Structured outputs: a constraint's text (a JSON schema, regex, grammar or choices); its
+    # compile work is bounded by llguidance's own parser limits (a grammar past them is refused).
+    max_constraint_bytes: PositiveInt = 65536
 
 
 @settings

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "use_chat_template", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_draft_tokens", "tree", "adaptive", "overlap", "steering")
+    __slots__ = ("prompt", "prompt_token_ids", "use_chat_template", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_draft_tokens", "tree", "adaptive", "overlap", "steering", "constraint")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     USE_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class GenerateRequest(_message.Message):
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     STEERING_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     use_chat_template: bool
@@ -37,10 +38,11 @@ class GenerateRequest(_message.Message):
     adaptive: bool
     overlap: bool
     steering: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., use_chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., steering: _Optional[bool] = ...) -> None: ...
+    constraint: _common_pb2.Constraint
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., use_chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., steering: _Optional[bool] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("rounds", "mean_accepted_per_round", "draft_compute_ms", "verify_compute_ms", "wire_serialization_ms", "serialization_ms", "bytes_sent", "bytes_received", "speculation_budget", "total_ms", "generated_tokens", "tokens_per_second", "accepted_draft_tokens", "drafted_tokens", "tree_method", "bytes_per_round", "draft_wire_ms", "verify_wire_ms", "policy", "mean_budget", "plan_rounds", "overlap", "overlap_hits", "steering", "steering_bytes", "verify_steering_ms", "draft_steering_ms", "verifier_state", "verifier_state_bytes", "drafter_failures", "speculative_rounds", "accepted_per_position", "draft_forward_passes", "drafter_replica", "verifier_replica", "replica_moves", "session_reopens", "speculative_anatomy", "verifier_alone_anatomy", "draft_own_tokens", "draft_reencode_rollbacks", "draft_mapping_ms")
+    __slots__ = ("rounds", "mean_accepted_per_round", "draft_compute_ms", "verify_compute_ms", "wire_serialization_ms", "serialization_ms", "bytes_sent", "bytes_received", "speculation_budget", "total_ms", "generated_tokens", "tokens_per_second", "accepted_draft_tokens", "drafted_tokens", "tree_method", "bytes_per_round", "draft_wire_ms", "verify_wire_ms", "policy", "mean_budget", "plan_rounds", "overlap", "overlap_hits", "steering", "steering_bytes", "verify_steering_ms", "draft_steering_ms", "verifier_state", "verifier_state_bytes", "drafter_failures", "speculative_rounds", "accepted_per_position", "draft_forward_passes", "drafter_replica", "verifier_replica", "replica_moves", "session_reopens", "speculative_anatomy", "verifier_alone_anatomy", "draft_own_tokens", "draft_reencode_rollbacks", "draft_mapping_ms", "grammar_compile_ms", "grammar_mask_ms", "grammar_draft_ms", "forced_tokens", "accepted_forced_tokens")
     class PlanRoundsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,11 @@ class RoundStats(_message.Message):
     DRAFT_OWN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_REENCODE_ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MAPPING_MS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_COMPILE_MS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASK_MS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     mean_accepted_per_round: float
     draft_compute_ms: float
@@ -132,7 +139,12 @@ class RoundStats(_message.Message):
     draft_own_tokens: int
     draft_reencode_rollbacks: int
     draft_mapping_ms: float
-    def __init__(self, rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., wire_serialization_ms: _Optional[float] = ..., serialization_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., speculation_budget: _Optional[int] = ..., total_ms: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., tree_method: _Optional[str] = ..., bytes_per_round: _Optional[float] = ..., draft_wire_ms: _Optional[float] = ..., verify_wire_ms: _Optional[float] = ..., policy: _Optional[str] = ..., mean_budget: _Optional[float] = ..., plan_rounds: _Optional[_Mapping[str, int]] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., steering: _Optional[bool] = ..., steering_bytes: _Optional[int] = ..., verify_steering_ms: _Optional[float] = ..., draft_steering_ms: _Optional[float] = ..., verifier_state: _Optional[bool] = ..., verifier_state_bytes: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., speculative_rounds: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_forward_passes: _Optional[int] = ..., drafter_replica: _Optional[str] = ..., verifier_replica: _Optional[str] = ..., replica_moves: _Optional[int] = ..., session_reopens: _Optional[int] = ..., speculative_anatomy: _Optional[_Union[RoundAnatomy, _Mapping]] = ..., verifier_alone_anatomy: _Optional[_Union[RoundAnatomy, _Mapping]] = ..., draft_own_tokens: _Optional[int] = ..., draft_reencode_rollbacks: _Optional[int] = ..., draft_mapping_ms: _Optional[float] = ...) -> None: ...
+    grammar_compile_ms: float
+    grammar_mask_ms: float
+    grammar_draft_ms: float
+    forced_tokens: int
+    accepted_forced_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., wire_serialization_ms: _Optional[float] = ..., serialization_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., speculation_budget: _Optional[int] = ..., total_ms: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., tree_method: _Optional[str] = ..., bytes_per_round: _Optional[float] = ..., draft_wire_ms: _Optional[float] = ..., verify_wire_ms: _Optional[float] = ..., policy: _Optional[str] = ..., mean_budget: _Optional[float] = ..., plan_rounds: _Optional[_Mapping[str, int]] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., steering: _Optional[bool] = ..., steering_bytes: _Optional[int] = ..., verify_steering_ms: _Optional[float] = ..., draft_steering_ms: _Optional[float] = ..., verifier_state: _Optional[bool] = ..., verifier_state_bytes: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., speculative_rounds: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_forward_passes: _Optional[int] = ..., drafter_replica: _Optional[str] = ..., verifier_replica: _Optional[str] = ..., replica_moves: _Optional[int] = ..., session_reopens: _Optional[int] = ..., speculative_anatomy: _Optional[_Union[RoundAnatomy, _Mapping]] = ..., verifier_alone_anatomy: _Optional[_Union[RoundAnatomy, _Mapping]] = ..., draft_own_tokens: _Optional[int] = ..., draft_reencode_rollbacks: _Optional[int] = ..., draft_mapping_ms: _Optional[float] = ..., grammar_compile_ms: _Optional[float] = ..., grammar_mask_ms: _Optional[float] = ..., grammar_draft_ms: _Optional[float] = ..., forced_tokens: _Optional[int] = ..., accepted_forced_tokens: _Optional[int] = ...) -> None: ...
 
 class RoundAnatomy(_message.Message):
     __slots__ = ("rounds", "round_ms", "draft_compute_ms", "verify_compute_ms", "draft_hop_ms", "verify_hop_ms", "coordinator_ms", "overhead_ms", "draft_request_bytes", "draft_response_bytes", "verify_request_bytes", "verify_response_bytes", "draft_in_service_ms", "verify_in_service_ms")

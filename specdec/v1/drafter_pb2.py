@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x8f\x03\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\'\n\x05start\x18\x03 \x01(\x0b\x32\x18.specdec.v1.SessionStart\x12\x15\n\rnew_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\r\x12&\n\x1everifier_tokenizer_fingerprint\x18\x07 \x01(\t\x12)\n\ntree_shape\x18\x08 \x01(\x0b\x32\x15.specdec.v1.TreeShape\x12\x19\n\x11\x61ssumed_token_ids\x18\t \x03(\x05\x12$\n\x08steering\x18\n \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x31\n\x0everifier_state\x18\x0e \x01(\x0b\x32\x19.specdec.v1.VerifierState\x12\x15\n\rpick_excludes\x18\r \x03(\x05J\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\r\"\x84\x02\n\rDraftResponse\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x19\n\x11\x61ssumed_token_ids\x18\x04 \x03(\x05\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x12\n\nhandler_ms\x18\x03 \x01(\x01\x12\x13\n\x0bsteering_ms\x18\x05 \x01(\x01\x12\x16\n\x0e\x66orward_passes\x18\x06 \x01(\r\x12\x12\n\nconfidence\x18\x07 \x03(\x02\x12\x1a\n\x12own_tokens_drafted\x18\x08 \x01(\r\x12\x1a\n\x12reencode_rollbacks\x18\t \x01(\r\x12\x12\n\nmapping_ms\x18\n \x01(\x01\x32\xcc\x01\n\x07\x44rafter\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xa9\x03\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\'\n\x05start\x18\x03 \x01(\x0b\x32\x18.specdec.v1.SessionStart\x12\x15\n\rnew_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\r\x12&\n\x1everifier_tokenizer_fingerprint\x18\x07 \x01(\t\x12)\n\ntree_shape\x18\x08 \x01(\x0b\x32\x15.specdec.v1.TreeShape\x12\x19\n\x11\x61ssumed_token_ids\x18\t \x03(\x05\x12$\n\x08steering\x18\n \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x31\n\x0everifier_state\x18\x0e \x01(\x0b\x32\x19.specdec.v1.VerifierState\x12\x15\n\rpick_excludes\x18\r \x03(\x05\x12\x18\n\x10\x66orced_token_ids\x18\x0f \x03(\x05J\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\r\"\x84\x02\n\rDraftResponse\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x19\n\x11\x61ssumed_token_ids\x18\x04 \x03(\x05\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x12\n\nhandler_ms\x18\x03 \x01(\x01\x12\x13\n\x0bsteering_ms\x18\x05 \x01(\x01\x12\x16\n\x0e\x66orward_passes\x18\x06 \x01(\r\x12\x12\n\nconfidence\x18\x07 \x03(\x02\x12\x1a\n\x12own_tokens_drafted\x18\x08 \x01(\r\x12\x1a\n\x12reencode_rollbacks\x18\t \x01(\r\x12\x12\n\nmapping_ms\x18\n \x01(\x01\x32\xcc\x01\n\x07\x44rafter\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.drafter_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTREQUEST']._serialized_start=66
-  _globals['_DRAFTREQUEST']._serialized_end=465
-  _globals['_DRAFTRESPONSE']._serialized_start=468
-  _globals['_DRAFTRESPONSE']._serialized_end=728
-  _globals['_DRAFTER']._serialized_start=731
-  _globals['_DRAFTER']._serialized_end=935
+  _globals['_DRAFTREQUEST']._serialized_end=491
+  _globals['_DRAFTRESPONSE']._serialized_start=494
+  _globals['_DRAFTRESPONSE']._serialized_end=754
+  _globals['_DRAFTER']._serialized_start=757
+  _globals['_DRAFTER']._serialized_end=961
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "round", "start", "new_token_ids", "committed_length", "num_draft_tokens", "verifier_tokenizer_fingerprint", "tree_shape", "assumed_token_ids", "steering", "verifier_state", "pick_excludes")
+    __slots__ = ("session_id", "round", "start", "new_token_ids", "committed_length", "num_draft_tokens", "verifier_tokenizer_fingerprint", "tree_shape", "assumed_token_ids", "steering", "verifier_state", "pick_excludes", "forced_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class DraftRequest(_message.Message):
     STEERING_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_STATE_FIELD_NUMBER: _ClassVar[int]
     PICK_EXCLUDES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     start: _common_pb2.SessionStart
@@ -33,7 +34,8 @@ class DraftRequest(_message.Message):
     steering: _common_pb2.Tensor
     verifier_state: _common_pb2.VerifierState
     pick_excludes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., verifier_tokenizer_fingerprint: _Optional[str] = ..., tree_shape: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., verifier_state: _Optional[_Union[_common_pb2.VerifierState, _Mapping]] = ..., pick_excludes: _Optional[_Iterable[int]] = ...) -> None: ...
+    forced_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., verifier_tokenizer_fingerprint: _Optional[str] = ..., tree_shape: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., verifier_state: _Optional[_Union[_common_pb2.VerifierState, _Mapping]] = ..., pick_excludes: _Optional[_Iterable[int]] = ..., forced_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("tree", "assumed_token_ids", "compute_ms", "handler_ms", "steering_ms", "forward_passes", "confidence", "own_tokens_drafted", "reencode_rollbacks", "mapping_ms")

@@ -26,7 +26,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[_Union[_common_pb2.SessionStart, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., fused_tokens: _Optional[int] = ..., steering: _Optional[bool] = ..., verifier_state: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_length", "compute_ms", "handler_ms", "steering", "steering_ms", "verifier_state", "verifier_state_ms", "batch_rows", "batch_sessions")
+    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_length", "compute_ms", "handler_ms", "steering", "steering_ms", "verifier_state", "verifier_state_ms", "batch_rows", "batch_sessions", "grammar_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class VerifyResponse(_message.Message):
     VERIFIER_STATE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted_draft_tokens: int
     committed_length: int
@@ -49,4 +50,5 @@ class VerifyResponse(_message.Message):
     verifier_state_ms: float
     batch_rows: float
     batch_sessions: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., steering_ms: _Optional[float] = ..., verifier_state: _Optional[_Union[_common_pb2.VerifierState, _Mapping]] = ..., verifier_state_ms: _Optional[float] = ..., batch_rows: _Optional[float] = ..., batch_sessions: _Optional[float] = ...) -> None: ...
+    grammar_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., handler_ms: _Optional[float] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., steering_ms: _Optional[float] = ..., verifier_state: _Optional[_Union[_common_pb2.VerifierState, _Mapping]] = ..., verifier_state_ms: _Optional[float] = ..., batch_rows: _Optional[float] = ..., batch_sessions: _Optional[float] = ..., grammar_ms: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,232 @@
+"""Structured outputs: a request's constraint (a JSON schema, a regex, a Lark grammar, a choice of
+strings) compiled by llguidance (docs/structured.md says why that library) into a matcher over a
+tokenizer, and what speculation does with it:
+
+- the verifier masks each draft-tree row by the grammar state of that row's path, so acceptance
+  (greedy or rejection sampling) follows the constrained distribution exactly (`mask_tree_rows`);
+- the coordinator drops the draft nodes the grammar forbids (`prune_tree`) and drafts the tokens
+  the grammar forces without any model (`GrammarState.forced`).
+
+Pure over token ids and logits: no service, no model."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.core.tree import ROOT, DraftTree
+
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+# JSON laid out as a model likes (newlines, indentation), but at most a line break and 32
+# characters of it in one place: unbounded whitespace lets a weak or sampled model pad forever.
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x09]{0,32}(\x0A[\x20\x09]{0,32})?"}
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be used; the message names the field at fault."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request constrains its output to. `text`: the JSON schema (JSON), the regex, the
+    Lark grammar, or the choices as a JSON list of strings; "" for json_object."""
+
+    kind: str
+    text: str = ""
+
+    def source(self) -> str:
+        """The llguidance grammar; ConstraintError where the constraint is malformed."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except json.JSONDecodeError as err:
+                raise ConstraintError(f"json_schema is not valid JSON: {err}") from None
+            if not isinstance(schema, dict):
+                raise ConstraintError("json_schema must be a JSON object (a schema)")
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.text)
+        if self.kind == "grammar":
+            return LLMatcher.grammar_from_lark(self.text)
+        if self.kind == "choice":
+            choices = json.loads(self.text)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ConstraintError("choice must list at least one non-empty string")
+            # Lark string literals take JSON's escapes.
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        raise ConstraintError(f"unknown constraint kind '{self.kind}'; expected one of {', '.join(CONSTRAINT_KINDS)}")
+
+
+def constraint_from_proto(message) -> Constraint | None:
+    """The common.Constraint message's constraint; None where none is set."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "choice":
+        return Constraint("choice", json.dumps(list(message.choice.options)))
+    return Constraint(kind, getattr(message, kind))
+
+
+def constraint_to_proto(constraint: Constraint | None, message_type):
+    """A common.Constraint message (of `message_type`) holding `constraint`."""
+    message = message_type()
+    if constraint is None:
+        return message
+    if constraint.kind == "json_object":
+        message.json_object = True
+    elif constraint.kind == "choice":
+        message.choice.options.extend(json.loads(constraint.text))
+    else:
+        setattr(message, constraint.kind, constraint.text)
+    return message
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer (`vocab_size`: the model's logits, which may
+    outnumber the tokenizer's tokens; `eos_ids`: the tokens that end a complete output). The
+    tokenizer's setup (~1 s for 151,936 tokens) is paid once; compiled grammars are kept, the
+    `cache_size` last used, and each request gets a copy (microseconds)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], max_bytes: int = 65536, cache_size: int = 64):
+        self.vocab_size, self.max_bytes, self.cache_size = vocab_size, max_bytes, cache_size
+        self._hf_tokenizer, self._eos_ids, self._tokenizer = tokenizer, sorted(eos_ids), None
+        self._compiled: OrderedDict[Constraint, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self):
+        """llguidance's view of the tokenizer, made on first use."""
+        import llguidance.hf
+
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_ids)
+            return self._tokenizer
+
+    def state(self, constraint: Constraint) -> tuple[GrammarState, float]:
+        """A fresh state of the constraint's grammar, and the ms compiling it took (0 when cached).
+        ConstraintError names what is wrong with it."""
+        from llguidance import LLMatcher
+
+        if len(constraint.text.encode()) > self.max_bytes:
+            raise ConstraintError(f"{constraint.kind} is {len(constraint.text.encode())} bytes; this server takes at most {self.max_bytes}")
+        with self._lock:
+            template = self._compiled.get(constraint)
+            if template is not None:
+                self._compiled.move_to_end(constraint)
+        compile_ms = 0.0
+        if template is None:
+            start = time.perf_counter()
+            source = constraint.source()
+            tokenizer = self._llg_tokenizer()
+            error = LLMatcher.validate_grammar(source, tokenizer)
+            if error:
+                raise ConstraintError(f"{constraint.kind} does not compile: {error.strip()}")
+            template = LLMatcher(tokenizer, source, log_level=0)
+            if template.is_error():
+                raise ConstraintError(f"{constraint.kind} does not compile: {template.get_error()}")
+            compile_ms = (time.perf_counter() - start) * 1e3
+            with self._lock:
+                self._compiled[constraint] = template
+                while len(self._compiled) > self.cache_size:
+                    self._compiled.popitem(last=False)
+        return GrammarState(template.deep_copy(), self.vocab_size), compile_ms
+
+
+class GrammarState:
+    """Where a constrained output stands: the tokens its grammar allows next."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def copy(self) -> GrammarState:
+        return GrammarState(self.matcher.deep_copy(), self.vocab_size)
+
+    def advance(self, tokens: list[int]) -> bool:
+        """Consumes `tokens`; False (and the state unusable) where the grammar forbids one."""
+        return self.matcher.consume_tokens(list(tokens))
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens allowed next, as a boolean mask over the vocabulary."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool))
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (its one way on), in the
+        tokenizer's own tokenization; [] where it leaves a choice or is done."""
+        if limit <= 0 or self.matcher.is_stopped():
+            return []
+        return self.matcher.compute_ff_tokens()[:limit]
+
+    @property
+    def done(self) -> bool:
+        """Nothing but an end-of-output token is allowed."""
+        return self.matcher.is_stopped()
+
+
+def mask_rows(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits with every token the mask forbids at -inf (a copy; the row's others untouched,
+    so the constrained distribution is the renormalised unconstrained one on the allowed set)."""
+    return logits.masked_fill(~allowed[..., : logits.shape[-1]], float("-inf"))
+
+
+def mask_tree_rows(logits: torch.Tensor, tree: DraftTree, state: GrammarState) -> torch.Tensor:
+    """Tree verification's logits (row 0: after the committed context; row 1 + i: after node i)
+    with each row masked by the grammar state of its path. A row whose path the grammar forbids
+    is left as it is: its node is rejected before anything reads it (its token has probability 0)."""
+    masked = logits.clone()
+    states = {ROOT: state}
+    for row, node in enumerate([ROOT, *range(len(tree))]):
+        if node != ROOT:
+            parent = states.get(tree.parent[node])
+            if parent is None:
+                continue
+            child = parent.copy()
+            if not child.advance([tree.token_ids[node]]):
+                continue
+            states[node] = child
+        masked[row] = mask_rows(logits[row], states[node].allowed())
+    return masked
+
+
+def prune_tree(tree: DraftTree, state: GrammarState) -> list[int]:
+    """The nodes of `tree` worth verifying under the grammar (ascending, parents first): those
+    whose whole path it allows, so no verify row is spent on a token the verifier could never
+    accept. A forbidden child drawn from its parent's proposal stays, as a leaf: recursive
+    rejection sampling's rejection of it moves the residual distribution its later siblings
+    are tried against (a point-mass child's rejection changes nothing, so it goes)."""
+    states, kept = {ROOT: state}, []
+    for node, (token, parent) in enumerate(zip(tree.token_ids, tree.parent)):
+        if parent not in states:
+            continue
+        child = states[parent].copy()
+        if child.advance([token]):
+            states[node] = child
+            kept.append(node)
+        elif parent in tree.proposals:
+            kept.append(node)
+    return kept
+
+
+def below_forced(forced: list[int], tree: DraftTree) -> DraftTree:
+    """`tree` (drafted after the forced tokens) hung below a chain of them: point-mass nodes,
+    which the verifier accepts with the probability it gives them."""
+    k = len(forced)
+
+    def shift(node: int) -> int:
+        return k - 1 if node == ROOT else node + k
+
+    return DraftTree(
+        list(forced) + tree.token_ids, list(range(-1, k - 1)) + [shift(p) for p in tree.parent],
+        {shift(n): q for n, q in tree.proposals.items()},
+    )
