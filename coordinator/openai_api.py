@@ -6,7 +6,9 @@ Each request body is read as a pydantic model (CompletionBody, ChatBody: strict 
 naming the field) and becomes one GenerateRequest run through the same CoordinatorServicer as
 the gRPC API (same validation, concurrency limit and decoding), so the text is the gRPC API's. The
 speculation settings ride in the extension field `speculation` (GenerateRequest's names:
-num_draft_tokens, tree, adaptive, overlap, steering); `top_k` is accepted as vLLM does."""
+num_draft_tokens, tree, adaptive, overlap, steering); `top_k` is accepted as vLLM does.
+Structured outputs: OpenAI's `response_format` (json_object, json_schema), and beside it the
+extension field `structured_outputs` (as vLLM names it: one of json, regex, grammar, choice)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from specdec.core.prompts import chat_ids
 from specdec.serving.rpc import ServiceError, bearer_accepted
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
 
 PLAYGROUND = (Path(__file__).parent / "playground.html").read_text()  # the page at /: one file, no build step
 DISCONNECT_POLL_S = 0.05  # how often a running request checks that its HTTP client is still there
@@ -102,6 +104,33 @@ class ForwardedCall:
             self.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token: send 'authorization: Bearer <token>'")
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr
+    description: StrictStr | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: StrictBool | None = None  # every schema is enforced exactly, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension field: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    grammar: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+
+
 class _Body(BaseModel):
     """What this server reads of a completions request (OpenAI's clients send more: ignored).
     Strict: a string is not a number, nor a boolean an integer."""
@@ -117,6 +146,8 @@ class _Body(BaseModel):
     seed: Annotated[StrictInt, Field(ge=0, lt=2**64)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     speculation: dict | None = None  # GenerateRequest's fields, parsed by protobuf below
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     stream: StrictBool = False
     stream_options: dict | None = None
 
@@ -199,6 +230,9 @@ class OpenAIFrontend:
             ParseDict(speculation, request)
         except ParseError as err:
             raise ApiError(400, f"speculation: {err}", param="speculation") from None
+        constraint = _constraint(parsed.response_format, parsed.structured_outputs)
+        if constraint is not None:
+            request.constraint.CopyFrom(constraint)
         options = parsed.stream_options or {}
         return Completion(request, len(ids), chat, parsed.stream, bool(options.get("include_usage")), bool(options.get("include_rounds")))
 
@@ -339,6 +373,30 @@ def openai_app(frontend: OpenAIFrontend) -> FastAPI:
         return PLAYGROUND  # open, as /health is: the page holds no answers; its API calls send the key typed into it
 
     return app
+
+
+def _constraint(response_format: ResponseFormat | None, structured: StructuredOutputs | None) -> common_pb2.Constraint | None:
+    """The request's one constraint (GenerateRequest.constraint), from either field."""
+    wants_format = response_format is not None and response_format.type != "text"
+    named = [name for name, value in (structured or StructuredOutputs()) if value is not None]
+    if wants_format and named:
+        raise ApiError(400, "set response_format or structured_outputs, not both", param="structured_outputs")
+    if len(named) > 1:
+        raise ApiError(400, f"structured_outputs: set one of json, regex, grammar, choice, not {len(named)}", param="structured_outputs")
+    if wants_format:
+        if response_format.type == "json_object":
+            return common_pb2.Constraint(json_object=True)
+        if response_format.json_schema is None:
+            raise ApiError(400, "response_format: type json_schema needs its json_schema (name, schema)", param="response_format")
+        return common_pb2.Constraint(json_schema=json.dumps(response_format.json_schema.json_schema))
+    if not named:
+        return None
+    value = getattr(structured, named[0])
+    if named[0] == "json_schema":
+        return common_pb2.Constraint(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if named[0] == "choice":
+        return common_pb2.Constraint(choice=common_pb2.Choices(options=value))
+    return common_pb2.Constraint(**{named[0]: value})
 
 
 def _usage(completion: Completion, generated: int) -> dict:
