@@ -53,16 +53,13 @@ class Plan:
     @property
     def label(self) -> str:
         if self.budget == 0:
-            return "forced" if self.method == "forced" else "fused"
+            return "fused"
         return f"{self.method}-{self.budget}" + (f"+{self.ngram}" if self.ngram else "")
 
     @property
     def profiled(self) -> bool:
         """A plain chain: all of them share one acceptance profile by depth."""
         return self.method == "chain" and not self.ngram
-
-
-FORCED_ONLY = Plan(0, "forced")  # a round whose draft is a constraint's forced tokens alone (no drafter call)
 
 
 @dataclass(kw_only=True)  # eleven numbers of one round: named, so none can swap places

@@ -390,17 +390,17 @@ class PairSession:
         return not self.verifier_state or self._state_log.positions >= len(self.context) - 1
 
     def verify(
-        self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0, verifier_state: bool = False
+        self, tree: common_pb2.DraftTree | None, fused_tokens: int = 0, verifier_state: bool = False, forced_drafts: bool = False,
     ) -> tuple[verifier_pb2.VerifyResponse, ServiceCall]:
         """One round on the verifier. `verifier_state`: bring the drafter's verifier state up to
         date (the verifier keeps it for such a session; a round whose next one will not draft
-        needs none)."""
+        needs none). `forced_drafts`: fused generation verifies the constraint's forced tokens."""
         def request(reopen: bool) -> verifier_pb2.VerifyRequest:
             if reopen:
                 self._verifier_round = 0
             message = verifier_pb2.VerifyRequest(
                 session_id=self.session_id, round=self._verifier_round + 1, fused_tokens=fused_tokens, steering=self.steering,
-                verifier_state=self.verifier_state and verifier_state,
+                verifier_state=self.verifier_state and verifier_state, forced_drafts=forced_drafts,
             )
             if tree is not None:
                 message.tree.CopyFrom(tree)

@@ -11,7 +11,6 @@ from typing import Iterator, Protocol
 import grpc
 
 from coordinator.budget import (
-    FORCED_ONLY,
     Plan,
     RoundReport,
     VerifyCosts,
@@ -217,6 +216,7 @@ def decode_rounds(
     meter: Meter,
     costs: VerifyCosts,
     overlap: ThreadPoolExecutor | None = None,
+    forced_drafts: bool = False,
 ) -> Iterator[tuple[list[int], RoundReport]]:
     """Yields each round's newly committed tokens (accepted drafts, then the verifier's own
     token) and its report until max_new_tokens are out; the caller stops early on EOS or a stop string.
@@ -225,8 +225,10 @@ def decode_rounds(
     (a thread pool for the verify calls), the drafter drafts the next round while the
     verifier checks this one, guessing the likeliest outcome (`overlap_guess`); when it came
     true, the next round starts without waiting for the drafter. A draft whose nodes carry
-    confidences is cut to the nodes worth their verify cost (`costs`, measured every round)."""
-    rounds = _Rounds(session, shape, meter, costs, overlap)
+    confidences is cut to the nodes worth their verify cost (`costs`, measured every round).
+    `forced_drafts` (a constrained request that speculates): the tokens its grammar forces are
+    drafted too, before a drafter's draft and within the verifier's fused generation."""
+    rounds = _Rounds(session, shape, meter, costs, overlap, forced_drafts)
     generated = 0
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
@@ -245,7 +247,7 @@ def decode_rounds(
 @dataclass
 class _Drafted:
     draft: object  # the DraftResponse
-    call: object  # its ServiceCall; None for the forced tokens of a constraint alone
+    call: object  # its ServiceCall
     shape: TreeShape  # the round's tree shape (the next overlapped draft takes it too)
     exposed_draft_ms: float  # what the round waited for: 0 for a draft made while the last round was verified
     exposed_wire_ms: float
@@ -266,8 +268,12 @@ class _Rounds:
     """One round's steps (plan, draft, verify, account) over the state rounds carry
     (`carried`) and the drafter's standby after failures."""
 
-    def __init__(self, session: PairSession, shape: TreeShape, meter: Meter, costs: VerifyCosts, overlap: ThreadPoolExecutor | None):
+    def __init__(
+        self, session: PairSession, shape: TreeShape, meter: Meter, costs: VerifyCosts, overlap: ThreadPoolExecutor | None,
+        forced_drafts: bool = False,
+    ):
         self.session, self.shape, self.meter, self.costs, self.overlap = session, shape, meter, costs, overlap
+        self.forced_drafts = forced_drafts
         self.standby = DrafterStandby(meter)
         self.carried = _Carried(began=time.perf_counter())
 
@@ -282,14 +288,14 @@ class _Rounds:
     def draft(self, plan: Plan, remaining: int) -> tuple[_Drafted | None, Plan]:
         """This round's draft (None: the plan drafts none, or the drafter cannot now) and its
         plan: an overlapped draft ready from the last round brings the plan it was made for.
-        Under a constraint the draft starts with the tokens it forces (drafted by no model,
-        also where the plan drafts none) and keeps only the nodes it allows."""
+        Under a constraint the draft starts with the tokens it forces (drafted by no model) and
+        keeps only the nodes it allows."""
         started = time.perf_counter()
-        forced = self.session.forced(min(remaining - 1, self.MAX_FORCED))
+        forced = self.session.forced(min(remaining - 1, self.MAX_FORCED)) if self.forced_drafts else []
         self.meter.grammar_draft_ms += (time.perf_counter() - started) * 1e3
         depth = min(self.shape.max_depth or plan.budget, remaining - 1 - len(forced))  # the verifier always adds one token
         if not (plan.budget and depth > 0 and self.session.can_draft and self.standby.ready()):
-            return self._forced_only(forced), plan
+            return None, plan  # a constrained fused round verifies forced tokens in the verifier
         # A depth the request left open stays the tree builder's choice (a lattice drafts half
         # its budget deep) unless the tokens left cap it.
         round_depth = 0 if not self.shape.max_depth and plan.budget <= remaining - 1 - len(forced) else depth
@@ -302,7 +308,7 @@ class _Rounds:
         else:
             draft, call = self.standby.draft(self.session, plan.budget, shape, forced=forced)
             if draft is None:
-                return self._forced_only(forced), plan
+                return None, plan
             self.meter.add_call(call, is_draft=True)
             drafted = _Drafted(draft, call, shape, call.compute_ms, call.overhead_ms)
         if self.session.grammar is not None:
@@ -328,13 +334,6 @@ class _Rounds:
         self.meter.grammar_draft_ms += (time.perf_counter() - started) * 1e3
         return constrained
 
-    def _forced_only(self, forced: list[int]) -> _Drafted | None:
-        """A draft of the constraint's forced tokens alone (no drafter call); None without any."""
-        if not forced:
-            return None
-        draft = drafter_pb2.DraftResponse(tree=common_pb2.DraftTree(token_ids=forced, parent=list(range(-1, len(forced) - 1))))
-        return _Drafted(draft, None, self.shape, 0.0, 0.0, forced=len(forced))
-
     def verify_alone(self, plan: Plan, fused: int):
         """`fused` tokens from the verifier alone; (report, verdict, call). A drafter that reads
         verifier state (a feature head) drafts after that of every committed position: where the
@@ -343,24 +342,25 @@ class _Rounds:
         fetch = bool(plan.budget) and not self.session.can_draft and self.standby.ready()
         if fetch:
             fused, self.carried.deferred = 1, plan
-        verdict, call = self.session.verify(None, fused_tokens=fused, verifier_state=fetch)
+        verdict, call = self.session.verify(None, fused_tokens=fused, verifier_state=fetch, forced_drafts=self.forced_drafts)
+        self.meter.forced += verdict.forced_drafted
+        self.meter.accepted_forced += verdict.forced_accepted
+        passes = len(verdict.token_ids) - verdict.forced_accepted  # each pass kept its forced tokens and one of its own
         report = RoundReport(
-            plan=Plan(0), accepted=0, depth=0, verified_tokens=len(verdict.token_ids), draft_ms=0.0, verify_ms=call.compute_ms,
+            plan=Plan(0), accepted=0, depth=0, verified_tokens=passes, draft_ms=0.0, verify_ms=call.compute_ms,
             draft_wire_ms=0.0, verify_wire_ms=call.overhead_ms, opened=call.opened,
             batch_rows=verdict.batch_rows, batch_sessions=verdict.batch_sessions,
         )
         if not report.opened:
-            self.costs.observe(1, call.compute_ms, call.overhead_ms, generated=len(verdict.token_ids))
+            self.costs.observe(1, call.compute_ms, call.overhead_ms, generated=passes)
         return report, verdict, call
 
     def verify_draft(self, plan: Plan, drafted: _Drafted):
         """The draft verified; with overlap the next round's draft is made meanwhile, assuming
         the likeliest outcome, and kept where that came true. (report, verdict, call)."""
         session, meter, tree = self.session, self.meter, drafted.draft.tree
-        if drafted.call is None:  # the constraint's forced tokens alone
-            plan = FORCED_ONLY
         structure = DraftTree(list(tree.token_ids), list(tree.parent))  # parents only: no proposals needed here
-        if self.overlap is None or drafted.call is None:
+        if self.overlap is None:
             verdict, call = session.verify(tree, verifier_state=True)
         else:
             context_length = len(session.context)
@@ -376,7 +376,7 @@ class _Rounds:
         report = RoundReport(
             plan=plan, accepted=verdict.num_accepted_draft_tokens, depth=max(structure.depths(), default=0), verified_tokens=1 + nodes,
             draft_ms=drafted.exposed_draft_ms, verify_ms=call.compute_ms, draft_wire_ms=drafted.exposed_wire_ms,
-            verify_wire_ms=call.overhead_ms, opened=call.opened or (drafted.call is not None and drafted.call.opened),
+            verify_wire_ms=call.overhead_ms, opened=call.opened or drafted.call.opened,
             batch_rows=verdict.batch_rows, batch_sessions=verdict.batch_sessions,
         )
         if not call.opened:
@@ -398,10 +398,9 @@ class _Rounds:
         report.wall_ms = (ended - carried.began) * 1e3
         if not fetched_state or report.opened:
             carried.began = ended
-            if drafted is None or drafted.call is not None:  # a round of forced tokens alone is no plan's
-                # The policy prices its plans by the drafter's tokens: forced ones come whatever the plan.
-                forced = drafted.forced if drafted is not None else 0
-                policy.observe(replace(report, accepted=max(report.accepted - forced, 0), depth=report.depth - forced))
+            # The policy prices its plans by the drafter's tokens: forced ones come whatever the plan.
+            forced = drafted.forced if drafted is not None else 0
+            policy.observe(replace(report, accepted=max(report.accepted - forced, 0), depth=report.depth - forced))
             if not (report.opened or carried.folded):  # the anatomy counts rounds that are only themselves
                 anatomy = self.meter.verifier_alone_anatomy if drafted is None else self.meter.speculative_anatomy
                 anatomy.add(report, None if drafted is None else drafted.call, verify_call)

@@ -232,7 +232,8 @@ class Coordinator:
             pool = self.verify_pool if overlap else None
             rounds = []  # of the message being made
             for committed, report in decode_rounds(
-                session, policy, settings.tree, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool
+                session, policy, settings.tree, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool,
+                forced_drafts=grammar is not None and (adaptive or budget > 0),  # budget 0 asks for the verifier alone
             ):
                 kept = output.add(committed, report.accepted)
                 rounds.append(_round_info(report, kept))

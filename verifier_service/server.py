@@ -47,7 +47,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             session = self.engine.sessions.get(request.session_id)
         tree = tree_from_proto(request.tree)
         with dropped_on_failure(self.engine.sessions, request.session_id):
-            job = self.engine.verify_job(session, request.round, tree, request.fused_tokens, request.steering, request.verifier_state)
+            job = self.engine.verify_job(
+                session, request.round, tree, request.fused_tokens, request.steering, request.verifier_state, request.forced_drafts
+            )
             result = self.batcher.run(job, request.session_id)
         self.engine.sessions.fit(request.session_id)  # the grown cache may push others out
         return verifier_pb2.VerifyResponse(
@@ -63,6 +65,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             batch_rows=result.batch_rows,
             batch_sessions=result.batch_sessions,
             grammar_ms=result.grammar_ms,
+            forced_drafted=result.forced_drafted,
+            forced_accepted=result.forced_accepted,
         )
 
     @reports_errors

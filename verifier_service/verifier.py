@@ -53,6 +53,8 @@ class RoundResult:
     batch_rows: float = 0.0  # the passes this round ran in: mean rows, and mean sessions sharing them
     batch_sessions: float = 0.0
     grammar_ms: float = 0.0  # of compute_ms, masking logits by the session's constraint
+    forced_drafted: int = 0  # fused generation's forced tokens fed, and kept (forced_drafts)
+    forced_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class VerifierSession:
     unfused: list[torch.Tensor] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured outputs: where the committed output stands in its grammar
     grammar_ms: float = 0.0  # the running round's masking
+    forced: list[int] = field(default_factory=lambda: [0, 0])  # the running round's forced tokens fed and kept
 
     @property
     def num_cached(self) -> int:
@@ -163,10 +166,11 @@ class Verifier:
 
     def verify(
         self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False,
-        verifier_state: bool = False,
+        verifier_state: bool = False, forced_drafts: bool = False,
     ) -> RoundResult:
         """One round on its own (a service batches `verify_job`s of many sessions instead)."""
-        return run_alone(self.verify_job(session, round_number, tree, fused_tokens, steering, verifier_state), self.forward_many)
+        job = self.verify_job(session, round_number, tree, fused_tokens, steering, verifier_state, forced_drafts)
+        return run_alone(job, self.forward_many)
 
     def forward_many(self, calls: list[ForwardCall]) -> list:
         """Each call's (output, the size of the pass it shared)."""
@@ -177,12 +181,13 @@ class Verifier:
 
     def verify_job(
         self, session: VerifierSession, round_number: int, tree: DraftTree, fused_tokens: int, steering: bool = False,
-        verifier_state: bool = False,
+        verifier_state: bool = False, forced_drafts: bool = False,
     ) -> Job:
         """Commits the round's tokens (the accepted path and the next token, or `fused_tokens`
         of the verifier's own without a tree): a job yielding the forwards it needs. With
         `verifier_state`, the round also returns the features (this verifier's verifier state)
-        of the positions it commits and of every earlier one not sent yet."""
+        of the positions it commits and of every earlier one not sent yet. `forced_drafts`: a
+        constrained session's fused generation verifies the tokens its grammar forces as it goes."""
         with session.lock:
             if round_number == session.last_round and session.last_result is not None:
                 return session.last_result  # a retried round commits nothing twice
@@ -206,13 +211,13 @@ class Verifier:
                 raise PastContext(f"the session would exceed the model's context of {self.max_context} tokens")
             check_kv_room(len(session.tokens) + len(tree) + max(fused_tokens, 1), self.kv_bytes_per_token, self.limits)
             start = time.perf_counter()
-            session.passes, session.grammar_ms = [], 0.0
+            session.passes, session.grammar_ms, session.forced = [], 0.0, [0, 0]
             features_start = session.num_cached
             # The residual-stream depths the round reads: all of them to steer, the fused three for features.
             fuse = verifier_state or session.keep_features
             depths = tuple(range(self.model.config.num_hidden_layers + 1)) if steering else tuple(self.fuse.layers) if fuse else ()
             if len(tree) == 0:
-                new_tokens, read = yield from self._generate(session, max(fused_tokens, 1), depths)
+                new_tokens, read = yield from self._generate(session, max(fused_tokens, 1), depths, forced_drafts)
                 num_accepted = 0
             else:
                 new_tokens, read = yield from self._verify_tree(session, tree, depths)
@@ -239,7 +244,7 @@ class Verifier:
                 token_ids=new_tokens, num_accepted=num_accepted, committed_length=len(session.tokens), compute_ms=compute_ms,
                 steering=vector, steering_ms=steering_ms, verifier_state=fused, verifier_state_ms=features_ms,
                 batch_rows=sum(p.rows for p in session.passes) / passes, batch_sessions=sum(p.sessions for p in session.passes) / passes,
-                grammar_ms=session.grammar_ms,
+                grammar_ms=session.grammar_ms, forced_drafted=session.forced[0], forced_accepted=session.forced[1],
             )
             session.last_round, session.last_result = round_number, result
             return result
@@ -295,23 +300,51 @@ class Verifier:
             session.grammar.advance([token])
         return token
 
-    def _generate(self, session: VerifierSession, max_tokens: int, depths: tuple[int, ...]) -> Job:
+    def _generate(self, session: VerifierSession, max_tokens: int, depths: tuple[int, ...], forced_drafts: bool = False) -> Job:
         """The new tokens, and the hidden states at `depths` of the positions read, all of which
-        are committed (None without depths)."""
+        are committed (None without depths). With `forced_drafts` (a constrained session, no
+        depths), a pass also feeds the tokens the grammar forces next, verified as a chain."""
         new: list[int] = []
         prefilled = yield from self._prefill(session, depths)
         read = [tuple(h[0] for h in prefilled)] if prefilled else []
         pending = session.tokens[session.num_cached :]
-        for _ in range(max_tokens):
-            logits, states = yield from self._forward(session, pending, 1, depths)
-            if depths:
-                read.append(tuple(h[0] for h in states))
-            token = self._choose(session, logits[-1], len(session.tokens) + len(new))
-            new.append(token)
-            if token in self.eos_ids:
+        while len(new) < max_tokens:
+            forced = session.grammar.forced(max_tokens - len(new) - 1) if forced_drafts and session.grammar and not depths else []
+            if forced:
+                chosen = yield from self._verify_forced(session, pending, forced, len(session.tokens) + len(new))
+            else:
+                logits, states = yield from self._forward(session, pending, 1, depths)
+                if depths:
+                    read.append(tuple(h[0] for h in states))
+                chosen = [self._choose(session, logits[-1], len(session.tokens) + len(new))]
+            ended = next((i for i, token in enumerate(chosen) if token in self.eos_ids), None)
+            new += chosen if ended is None else chosen[: ended + 1]
+            if ended is not None:
                 break
-            pending = [token]
+            pending = chosen[-1:]
         return new, tuple(torch.cat(layer) for layer in zip(*read)) if depths else None
+
+    def _verify_forced(self, session: VerifierSession, pending: list[int], forced: list[int], position: int) -> Job:
+        """Feeds `pending` and the grammar's `forced` tokens in one pass and keeps the longest
+        part of them the constrained verifier accepts, then its own next token (which it returns
+        with them); the grammar follows them."""
+        chain = DraftTree(list(forced), list(range(-1, len(forced) - 1)))
+        committed_len = session.num_cached + len(pending)
+        logits, _ = yield from self._forward(session, pending + forced, len(forced) + 1, ())
+        start = time.perf_counter()
+        logits = mask_tree_rows(logits, chain, session.grammar)
+        session.grammar_ms += (time.perf_counter() - start) * 1e3
+        if session.sampling.greedy:
+            path, next_token = accept_greedy(chain, greedy_tokens(logits))
+        else:
+            rng = position_generator(session.sampling.seed, position)
+            path, next_token = accept_sampled(chain, warp_probs(logits, session.sampling), rng)
+        session.cache.keep_positions(committed_len, [committed_len + node for node in path])
+        chosen = [forced[node] for node in path] + [next_token]
+        session.grammar.advance(chosen)
+        session.forced[0] += len(forced)
+        session.forced[1] += len(path)
+        return chosen
 
     def _verify_tree(self, session: VerifierSession, tree: DraftTree, depths: tuple[int, ...]) -> Job:
         """The new tokens, and the hidden states at `depths` of the positions committed: the pending

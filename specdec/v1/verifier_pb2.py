@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xc0\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\'\n\x05start\x18\x03 \x01(\x0b\x32\x18.specdec.v1.SessionStart\x12#\n\x04tree\x18\x04 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x14\n\x0c\x66used_tokens\x18\x05 \x01(\r\x12\x10\n\x08steering\x18\x06 \x01(\x08\x12\x16\n\x0everifier_state\x18\x07 \x01(\x08\"\xdd\x02\n\x0eVerifyResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nhandler_ms\x18\x05 \x01(\x01\x12$\n\x08steering\x18\x06 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x13\n\x0bsteering_ms\x18\x07 \x01(\x01\x12\x31\n\x0everifier_state\x18\r \x01(\x0b\x32\x19.specdec.v1.VerifierState\x12\x19\n\x11verifier_state_ms\x18\n \x01(\x01\x12\x12\n\nbatch_rows\x18\x0b \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x0c \x01(\x01\x12\x12\n\ngrammar_ms\x18\x0e \x01(\x01J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n2\xd0\x01\n\x08Verifier\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xd7\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\'\n\x05start\x18\x03 \x01(\x0b\x32\x18.specdec.v1.SessionStart\x12#\n\x04tree\x18\x04 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x14\n\x0c\x66used_tokens\x18\x05 \x01(\r\x12\x10\n\x08steering\x18\x06 \x01(\x08\x12\x16\n\x0everifier_state\x18\x07 \x01(\x08\x12\x15\n\rforced_drafts\x18\x0e \x01(\x08\"\x8e\x03\n\x0eVerifyResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nhandler_ms\x18\x05 \x01(\x01\x12$\n\x08steering\x18\x06 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x13\n\x0bsteering_ms\x18\x07 \x01(\x01\x12\x31\n\x0everifier_state\x18\r \x01(\x0b\x32\x19.specdec.v1.VerifierState\x12\x19\n\x11verifier_state_ms\x18\n \x01(\x01\x12\x12\n\nbatch_rows\x18\x0b \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x0c \x01(\x01\x12\x12\n\ngrammar_ms\x18\x0e \x01(\x01\x12\x16\n\x0e\x66orced_drafted\x18\x0f \x01(\r\x12\x17\n\x0f\x66orced_accepted\x18\x10 \x01(\rJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\n2\xd0\x01\n\x08Verifier\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verifier_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST']._serialized_start=67
-  _globals['_VERIFYREQUEST']._serialized_end=259
-  _globals['_VERIFYRESPONSE']._serialized_start=262
-  _globals['_VERIFYRESPONSE']._serialized_end=611
-  _globals['_VERIFIER']._serialized_start=614
-  _globals['_VERIFIER']._serialized_end=822
+  _globals['_VERIFYREQUEST']._serialized_end=282
+  _globals['_VERIFYRESPONSE']._serialized_start=285
+  _globals['_VERIFYRESPONSE']._serialized_end=683
+  _globals['_VERIFIER']._serialized_start=686
+  _globals['_VERIFIER']._serialized_end=894
 # @@protoc_insertion_point(module_scope)
