@@ -236,8 +236,9 @@ def decode_rounds(
         if drafted is not None and drafted.draft.tree.token_ids:
             report, verdict, verify_call = rounds.verify_draft(plan, drafted)
         else:  # the verifier alone: by plan, with nothing drafted, or without a drafter
-            # Nothing to propose (an n-gram drafter without a match): ask again after a token.
-            fused = 1 if drafted is not None else min(fused_block, remaining)
+            # Nothing to propose (an n-gram drafter without a match): ask again after a token; under
+            # a constraint, once the verifier has kept what its grammar forces next (forced_drafts).
+            fused = 1 if drafted is not None and not forced_drafts else min(fused_block, remaining)
             drafted, (report, verdict, verify_call) = None, rounds.verify_alone(plan, fused)
         rounds.account(policy, report, drafted, verify_call)
         generated += len(verdict.token_ids)

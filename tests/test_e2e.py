@@ -163,6 +163,35 @@ def test_openai_client_through_serves_http_proxy_gets_the_grpc_text(ray_stack, s
 
 
 @pytest.mark.e2e
+def test_structured_outputs_through_serves_http_proxy_parse_and_equal_the_constrained_verifier_alone(ray_stack, serve_ports):
+    """The openai client's parse helper with a Pydantic model, through Serve's HTTP proxy and the
+    default pair (the feature head drafting after the grammar's forced tokens): a valid object,
+    the text the constrained verifier alone decodes."""
+    import openai
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=40)
+        country: str = pydantic.Field(max_length=40)
+
+    api = openai.OpenAI(base_url=f"http://localhost:{serve_ports['http']}/v1", api_key="unused", max_retries=0, timeout=600)
+    prompt = "Name a city on a river, as JSON with its name and its country."
+    reply = api.chat.completions.parse(
+        model=api.models.list().data[0].id, messages=[{"role": "user", "content": prompt}], max_tokens=60, temperature=0,
+        response_format=City,
+    )
+    assert isinstance(reply.choices[0].message.parsed, City) and reply.choices[0].finish_reason == "stop"
+    request = coordinator_pb2.GenerateRequest(
+        prompt=prompt, use_chat_template=True, max_new_tokens=60, num_draft_tokens=0,
+        constraint=common_pb2.Constraint(json_schema=json.dumps(City.model_json_schema() | {"additionalProperties": False})),
+    )
+    with grpc.insecure_channel(ray_stack) as channel:
+        alone = coordinator_pb2_grpc.CoordinatorStub(channel).Generate(request, timeout=600)
+    assert json.loads(alone.text) == json.loads(reply.choices[0].message.content)
+
+
+@pytest.mark.e2e
 def test_the_playground_page_marks_each_token_as_the_request_stats_count_it(ray_stack, serve_ports, tmp_path):
     """The page at / in headless Chromium against the real stack: it streams the gRPC API's
     greedy text, and the tokens it marks drafted are the accepted drafts of its request's stats."""

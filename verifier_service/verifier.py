@@ -303,7 +303,8 @@ class Verifier:
     def _generate(self, session: VerifierSession, max_tokens: int, depths: tuple[int, ...], forced_drafts: bool = False) -> Job:
         """The new tokens, and the hidden states at `depths` of the positions read, all of which
         are committed (None without depths). With `forced_drafts` (a constrained session, no
-        depths), a pass also feeds the tokens the grammar forces next, verified as a chain."""
+        depths), a pass also feeds the tokens the grammar forces next, verified as a chain, and
+        the generation ends after the first pass that kept some."""
         new: list[int] = []
         prefilled = yield from self._prefill(session, depths)
         read = [tuple(h[0] for h in prefilled)] if prefilled else []
@@ -319,7 +320,9 @@ class Verifier:
                 chosen = [self._choose(session, logits[-1], len(session.tokens) + len(new))]
             ended = next((i for i, token in enumerate(chosen) if token in self.eos_ids), None)
             new += chosen if ended is None else chosen[: ended + 1]
-            if ended is not None:
+            # After structure the grammar forced comes text a drafter may copy (a key's value): the
+            # call ends there, and the next round drafts.
+            if ended is not None or len(chosen) > 1:
                 break
             pending = chosen[-1:]
         return new, tuple(torch.cat(layer) for layer in zip(*read)) if depths else None
