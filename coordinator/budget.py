@@ -76,6 +76,7 @@ class RoundReport:
     batch_rows: float = 0.0  # the verifier's passes this round: mean rows of all sessions (0 = not reported: this round's own)
     batch_sessions: float = 0.0  # and mean sessions sharing them (0 = not reported: 1)
     wall_ms: float = 0.0  # the whole round at the coordinator (0 = not measured)
+    accepted_forced: int = 0  # of `accepted`, tokens a constraint forced (drafted by no model)
 
     @property
     def unaccounted_ms(self) -> float:

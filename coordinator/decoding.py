@@ -17,7 +17,7 @@ from coordinator.budget import (
     goodput_cut,
 )
 from coordinator.clients import PairSession
-from specdec.core.grammar import below_forced, prune_tree
+from specdec.core.grammar import constrain_draft
 from specdec.core.tree import ROOT, DraftTree, TreeShape
 from specdec.serving.wire import tree_from_proto, tree_to_proto
 from specdec.v1 import common_pb2, coordinator_pb2, drafter_pb2
@@ -252,7 +252,7 @@ class _Drafted:
     shape: TreeShape  # the round's tree shape (the next overlapped draft takes it too)
     exposed_draft_ms: float  # what the round waited for: 0 for a draft made while the last round was verified
     exposed_wire_ms: float
-    forced: int = 0  # the tree's first nodes, a chain of the tokens the request's constraint forces
+    forced: set[int] = field(default_factory=set)  # the tree's nodes the request's constraint forced
 
 
 @dataclass
@@ -313,27 +313,26 @@ class _Rounds:
             self.meter.add_call(call, is_draft=True)
             drafted = _Drafted(draft, call, shape, call.compute_ms, call.overhead_ms)
         if self.session.grammar is not None:
-            drafted.draft, drafted.forced = self._constrained(drafted.draft, forced), len(forced)
+            drafted.draft, drafted.forced = self._constrained(drafted.draft, forced, max(remaining - 1 - depth, 0))
         if drafted.draft.confidence:
             drafted.draft = _worth_verifying(drafted.draft, self.costs)
         return drafted, plan
 
-    def _constrained(self, draft, forced: list[int]):
-        """The draft (made after the forced tokens) without the nodes the constraint forbids,
-        below a chain of the forced tokens (confident: only the tokenization may differ)."""
+    def _constrained(self, draft, forced: list[int], limit: int) -> tuple[object, set[int]]:
+        """The draft (made after the forced tokens) as the verifier gets it under the constraint
+        (specdec/core/grammar.py constrain_draft), and which of its nodes the grammar forced
+        (confident: only their tokenization may differ)."""
         started = time.perf_counter()
-        after = self.session.grammar.copy()
-        after.advance(forced)
-        tree = tree_from_proto(draft.tree)
-        kept = prune_tree(tree, after)
+        made = constrain_draft(tree_from_proto(draft.tree), self.session.grammar, forced, limit)
         constrained = drafter_pb2.DraftResponse()
         constrained.CopyFrom(draft)
-        constrained.tree.CopyFrom(tree_to_proto(below_forced(forced, tree.subtree(kept))))
+        constrained.tree.CopyFrom(tree_to_proto(made.tree))
         del constrained.confidence[:]
         if draft.confidence:
-            constrained.confidence.extend([1.0] * len(forced) + [draft.confidence[n] for n in kept])
+            leaf = [draft.confidence[made.kept[-1]]] if made.kept else []
+            constrained.confidence.extend([1.0] * len(forced) + [draft.confidence[n] for n in made.kept] + leaf * made.tail)
         self.meter.grammar_draft_ms += (time.perf_counter() - started) * 1e3
-        return constrained
+        return constrained, made.forced
 
     def verify_alone(self, plan: Plan, fused: int):
         """`fused` tokens from the verifier alone; (report, verdict, call). A drafter that reads
@@ -386,8 +385,10 @@ class _Rounds:
         meter.accepted += verdict.num_accepted_draft_tokens
         meter.accepted_counts[verdict.num_accepted_draft_tokens] += 1
         meter.drafted += nodes
-        meter.forced += drafted.forced
-        meter.accepted_forced += min(verdict.num_accepted_draft_tokens, drafted.forced)
+        meter.forced += len(drafted.forced)
+        if drafted.forced:
+            report.accepted_forced = len(drafted.forced & set(_accepted_nodes(structure, verdict.token_ids[: verdict.num_accepted_draft_tokens])))
+            meter.accepted_forced += report.accepted_forced
         return report, verdict, call
 
     def account(self, policy: RoundPolicy, report: RoundReport, drafted: _Drafted | None, verify_call) -> None:
@@ -400,8 +401,9 @@ class _Rounds:
         if not fetched_state or report.opened:
             carried.began = ended
             # The policy prices its plans by the drafter's tokens: forced ones come whatever the plan.
-            forced = drafted.forced if drafted is not None else 0
-            policy.observe(replace(report, accepted=max(report.accepted - forced, 0), depth=report.depth - forced))
+            forced = len(drafted.forced) if drafted is not None else 0
+            own = report.accepted - report.accepted_forced
+            policy.observe(replace(report, accepted=own, depth=max(report.depth - forced, own)))
             if not (report.opened or carried.folded):  # the anatomy counts rounds that are only themselves
                 anatomy = self.meter.verifier_alone_anatomy if drafted is None else self.meter.speculative_anatomy
                 anatomy.add(report, None if drafted is None else drafted.call, verify_call)
@@ -456,6 +458,17 @@ class DrafterStandby:
             return None, None
         self.streak = 0
         return result
+
+
+def _accepted_nodes(tree: DraftTree, tokens: list[int]) -> list[int]:
+    """The nodes the accepted tokens walk down, from the root."""
+    path, node = [], ROOT
+    for token in tokens:
+        node = next((c for c in tree.children(node) if tree.token_ids[c] == token), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
 
 
 def overlap_guess(tree: DraftTree, accepted_counts: Counter) -> tuple[list[int], list[int]]:

@@ -18,7 +18,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.openai_api import OpenAIFrontend, openai_app
 from coordinator.server import CoordinatorServicer
-from specdec.core.grammar import Constraint, ConstraintError, Grammars, below_forced, mask_tree_rows, prune_tree
+from specdec.core.grammar import (
+    Constraint,
+    ConstraintError,
+    Grammars,
+    below_forced,
+    constrain_draft,
+    mask_tree_rows,
+    prune_tree,
+)
 from specdec.core.models import ModelSpec
 from specdec.core.sampling import Sampling
 from specdec.core.tree import ROOT, DraftTree, Proposal
@@ -143,11 +151,30 @@ def test_pruning_drops_forbidden_paths_but_keeps_sampled_siblings_for_the_residu
     cat, dog, x, s = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("cat", "dog", "x", "s"))
     state, _ = grammars.state(Constraint("regex", "(cat|dog)s?"))
     point_mass = DraftTree([cat, x, s, s], [ROOT, ROOT, 0, 1])
-    assert prune_tree(point_mass, state) == [0, 2]  # x and its child go
+    assert prune_tree(point_mass, state)[0] == [0, 2]  # x and its child go
     sampled = DraftTree([x, dog, s], [ROOT, ROOT, 0], {ROOT: Proposal([x, dog], [0.5, 0.5])})
-    assert prune_tree(sampled, state) == [0, 1]  # x stays as a leaf: its rejection moves the residual
+    assert prune_tree(sampled, state)[0] == [0, 1]  # x stays as a leaf: its rejection moves the residual
     chained = below_forced([7, 8], DraftTree([1, 2], [ROOT, 0], {ROOT: Proposal([1], [1.0])}))
     assert chained.token_ids == [7, 8, 1, 2] and chained.parent == [ROOT, 0, 1, 2] and set(chained.proposals) == {1}
+
+
+def test_a_constrained_draft_starts_with_the_forced_tokens_and_goes_on_through_structure(grammars, qwen_pair):
+    tokenizer = qwen_pair["tokenizer"]
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    state, _ = grammars.state(Constraint("regex", r'name: "[a-z]+", size: [0-9]+'))
+    forced = state.forced(32)
+    assert tokenizer.decode(forced) == "name:"  # not the quote: a longer token may start with it
+    chain = ids(' "cat"')
+    draft = DraftTree(chain + ids("x"), list(range(-1, len(chain) - 1)) + [ROOT])  # the chain, and a forbidden branch
+    made = constrain_draft(draft, state, forced, limit=32)
+    assert made.kept == list(range(len(chain)))
+    text = tokenizer.decode(made.tree.token_ids)  # the forced text, the draft, then what the grammar forces after it
+    assert text.startswith('name: "cat", size') and made.tail > 0
+    assert made.tree.parent == list(range(-1, len(made.tree) - 1))  # one chain
+    assert made.forced == set(range(len(forced))) | set(range(len(forced) + len(chain), len(made.tree)))
 
 
 # --- exact verification ---------------------------------------------------------------------
@@ -179,7 +206,7 @@ def test_constrained_sampling_follows_the_constrained_distribution(qwen_pair):
         order = torch.randperm(len(candidates), generator=rng)[:4].tolist()  # uniform q: any order is a draw without replacement
         tree = DraftTree([candidates[i] for i in order], [ROOT] * 4, {ROOT: proposal})
         session = verifier.open_session(f"s{draw}", prompt, Sampling(temperature=1.0, seed=draw), constraint=constraint)
-        kept = prune_tree(tree, verifier.grammar_state(constraint, []))
+        kept, _ = prune_tree(tree, verifier.grammar_state(constraint, []))
         result = verifier.verify(session, 1, tree.subtree(kept), 0)
         counts[allowed.tolist().index(result.token_ids[0])] += 1
         verifier.sessions.pop(f"s{draw}")

@@ -201,12 +201,13 @@ def mask_tree_rows(logits: torch.Tensor, tree: DraftTree, state: GrammarState) -
     return masked
 
 
-def prune_tree(tree: DraftTree, state: GrammarState) -> list[int]:
-    """The nodes of `tree` worth verifying under the grammar (ascending, parents first): those
-    whose whole path it allows, so no verify row is spent on a token the verifier could never
-    accept. A forbidden child drawn from its parent's proposal stays, as a leaf: recursive
-    rejection sampling's rejection of it moves the residual distribution its later siblings
-    are tried against (a point-mass child's rejection changes nothing, so it goes)."""
+def prune_tree(tree: DraftTree, state: GrammarState) -> tuple[list[int], dict[int, GrammarState]]:
+    """The nodes of `tree` worth verifying under the grammar (ascending, parents first), and the
+    grammar's state after each allowed one: those whose whole path it allows, so no verify row
+    is spent on a token the verifier could never accept. A forbidden child drawn from its
+    parent's proposal stays, as a leaf: recursive rejection sampling's rejection of it moves the
+    residual distribution its later siblings are tried against (a point-mass child's rejection
+    changes nothing, so it goes)."""
     states, kept = {ROOT: state}, []
     for node, (token, parent) in enumerate(zip(tree.token_ids, tree.parent)):
         if parent not in states:
@@ -217,7 +218,37 @@ def prune_tree(tree: DraftTree, state: GrammarState) -> list[int]:
             kept.append(node)
         elif parent in tree.proposals:
             kept.append(node)
-    return kept
+    return kept, states
+
+
+@dataclass
+class ConstrainedDraft:
+    tree: DraftTree
+    kept: list[int]  # the draft's nodes kept, as they follow the forced chain in `tree`
+    tail: int  # forced tokens appended below the draft's deepest path
+    forced: set[int]  # the nodes of `tree` the grammar forced (the chain before the draft, the tail)
+
+
+def constrain_draft(draft: DraftTree, state: GrammarState, forced: list[int], limit: int) -> ConstrainedDraft:
+    """A draft made after the `forced` tokens, as the verifier gets it under the grammar (at
+    `state`, before them): below a chain of the forced tokens, without the nodes the grammar
+    forbids (`prune_tree`), and its deepest path (a point-mass node's) continued by up to `limit`
+    tokens the grammar forces after it: a drafter's chain that ends where structure begins
+    (a string's closing quote) goes on through the structure."""
+    after = state.copy()
+    after.advance(forced)
+    kept, states = prune_tree(draft, after)
+    depth = {ROOT: 0}
+    for node in kept:
+        depth[node] = depth[draft.parent[node]] + 1
+    leaves = [n for n in kept if n in states and n not in draft.proposals and not any(draft.parent[m] == n for m in kept)]
+    leaf = max(leaves, key=lambda n: (depth[n], -n), default=None)
+    tail = states[leaf].forced(limit) if leaf is not None else []
+    tree = below_forced(forced, draft.subtree(kept))
+    k = len(forced)
+    for i, token in enumerate(tail):
+        tree.add(token, k + kept.index(leaf) if i == 0 else len(tree) - 1)
+    return ConstrainedDraft(tree, kept, len(tail), set(range(k)) | set(range(len(tree) - len(tail), len(tree))))
 
 
 def below_forced(forced: list[int], tree: DraftTree) -> DraftTree:
