@@ -356,7 +356,9 @@ class PairSession:
             if steering is not None:
                 message.steering.CopyFrom(steering)
             if reopen:
-                message.start.CopyFrom(common_pb2.SessionStart(context_token_ids=context, sampling=self.sampling))
+                message.start.CopyFrom(common_pb2.SessionStart(
+                    context_token_ids=context, sampling=self.sampling, prompt_length=self.prompt_length, constraint=self.constraint,
+                ))
                 message.verifier_tokenizer_fingerprint = self.pair.verifier_info.tokenizer_fingerprint
             else:
                 message.new_token_ids.extend(context[self._drafter_seen :])

@@ -236,9 +236,8 @@ def decode_rounds(
         if drafted is not None and drafted.draft.tree.token_ids:
             report, verdict, verify_call = rounds.verify_draft(plan, drafted)
         else:  # the verifier alone: by plan, with nothing drafted, or without a drafter
-            # Nothing to propose (an n-gram drafter without a match): ask again after a token; under
-            # a constraint, once the verifier has kept what its grammar forces next (forced_drafts).
-            fused = 1 if drafted is not None and not forced_drafts else min(fused_block, remaining)
+            # Nothing to propose (an n-gram drafter without a match): ask again after a token.
+            fused = 1 if drafted is not None else min(fused_block, remaining)
             drafted, (report, verdict, verify_call) = None, rounds.verify_alone(plan, fused)
         rounds.account(policy, report, drafted, verify_call)
         generated += len(verdict.token_ids)
@@ -343,8 +342,11 @@ class _Rounds:
         if fetch:
             fused, self.carried.deferred = 1, plan
         verdict, call = self.session.verify(None, fused_tokens=fused, verifier_state=fetch, forced_drafts=self.forced_drafts)
+        # The grammar's drafts within the verifier count as drafts (not as speculative rounds).
         self.meter.forced += verdict.forced_drafted
         self.meter.accepted_forced += verdict.forced_accepted
+        self.meter.drafted += verdict.forced_drafted
+        self.meter.accepted += verdict.forced_accepted
         passes = len(verdict.token_ids) - verdict.forced_accepted  # each pass kept its forced tokens and one of its own
         report = RoundReport(
             plan=Plan(0), accepted=0, depth=0, verified_tokens=passes, draft_ms=0.0, verify_ms=call.compute_ms,
@@ -387,7 +389,8 @@ class _Rounds:
         meter.drafted += nodes
         meter.forced += len(drafted.forced)
         if drafted.forced:
-            report.accepted_forced = len(drafted.forced & set(_accepted_nodes(structure, verdict.token_ids[: verdict.num_accepted_draft_tokens])))
+            accepted = _accepted_nodes(structure, verdict.token_ids[: verdict.num_accepted_draft_tokens])
+            report.accepted_forced = len(drafted.forced & set(accepted))
             meter.accepted_forced += report.accepted_forced
         return report, verdict, call
 

@@ -33,6 +33,7 @@ class CrossTokenizerDrafter(WrappedDrafter):
     def __init__(self, inner: Drafter, bridge: TokenizerBridge, max_ngram: int, cap: int):
         super().__init__(inner)
         self.bridge, self.max_ngram, self.cap = bridge, max_ngram, cap
+        self.grammars = None  # its model's tokens are not the verifier's: the coordinator prunes its drafts
         self.info = dataclasses.replace(
             inner.info, vocab_size=len(bridge.verifier), fingerprint=tokenizer_fingerprint(bridge.verifier),
             eos_ids=sorted({bridge.verifier.eos_token_id} - {None}),

@@ -10,8 +10,20 @@ from specdec.core.sampling import Sampling, greedy_tokens, warp_probs
 from specdec.core.tree import Proposal
 
 
-def next_tokens(logits: torch.Tensor, sampling: Sampling, draft_vocab: torch.Tensor | None, proposal_top_k: int) -> list[NextToken]:
-    """The distribution after each of several nodes, from their logits (rows)."""
+def next_tokens(
+    logits: torch.Tensor, sampling: Sampling, draft_vocab: torch.Tensor | None, proposal_top_k: int,
+    allowed: list[torch.Tensor | None] | None = None,
+) -> list[NextToken]:
+    """The distribution after each of several nodes, from their logits (rows); with `allowed`
+    (a constraint's tokens after each node, over the whole vocabulary), on those alone, where
+    the drafter's vocabulary holds any of them."""
+    if allowed is not None:
+        logits = logits.clone()
+        for row, mask in zip(logits, allowed):
+            if mask is not None:
+                mask = mask if draft_vocab is None else mask[draft_vocab]
+                if mask.any():
+                    row.masked_fill_(~mask[: len(row)], float("-inf"))
     if sampling.greedy:
         return [NextToken(probs, draft_vocab) for probs in torch.softmax(logits.double(), dim=-1)]
     proposals = [sparse_proposal(row, sampling, draft_vocab, proposal_top_k) for row in logits]

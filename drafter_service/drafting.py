@@ -15,6 +15,7 @@ import torch
 
 from specdec.core.batching import Job
 from specdec.core.errors import RequestError
+from specdec.core.grammar import GrammarState, Grammars
 from specdec.core.ngram import NgramDraft, NgramIndex, NgramProposer
 from specdec.core.sampling import Sampling
 from specdec.core.tree import DraftTree, TreeShape
@@ -65,6 +66,11 @@ class DrafterSession:
     # The last call's round number and answer: a retried round gets the same answer again.
     last_round: int = 0
     last_draft: Draft | None = None
+    # Structured outputs, where the drafter reads the verifier's tokens (Drafter.grammars): the
+    # grammar after the committed context, and this round's states of the draft's nodes (ROOT:
+    # after the drafting context); None = proposals unmasked (the coordinator prunes them).
+    grammar: GrammarState | None = None
+    draft_states: dict[int, GrammarState] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,9 @@ class Drafter(ABC):
     `forward_many` runs those of many sessions together; a drafter without a model yields none."""
 
     info: DrafterInfo
+    # Compiles a request's constraint over this drafter's tokens, where they are the verifier's;
+    # its proposals are then masked by it (grammar_masks). None = they are not.
+    grammars: Grammars | None = None
 
     def new_state(self, context: list[int], sampling: Sampling) -> Any:
         """A new session's state of this drafter's own (its cache, say); None = it keeps none."""
@@ -143,7 +152,7 @@ class WrappedDrafter(Drafter):
     each of Drafter's hooks is forwarded here)."""
 
     def __init__(self, inner: Drafter):
-        self.inner, self.info = inner, inner.info
+        self.inner, self.info, self.grammars = inner, inner.info, inner.grammars
 
     def new_state(self, context: list[int], sampling: Sampling) -> Any:
         return self.inner.new_state(context, sampling)
@@ -178,3 +187,18 @@ def ngram_draft(session: DrafterSession, proposer: NgramProposer, context: list[
     draft = proposer.propose(session.ngram, context, budget, max_depth)
     session.lesson = (proposer, draft) if draft.tree and len(context) == len(session.tokens) else None
     return draft
+
+
+def grammar_masks(session: DrafterSession, tree: DraftTree, nodes: list[int]) -> list[torch.Tensor | None] | None:
+    """For each of a builder's `nodes` (ROOT included), the tokens the request's constraint
+    allows after its path, over the whole vocabulary (None: the path breaks the grammar, or the
+    node is unknown); None without a constraint."""
+    states = session.draft_states
+    if states is None:
+        return None
+    for node in nodes:
+        if node not in states and tree.parent[node] in states:
+            child = states[tree.parent[node]].copy()
+            if child.advance([tree.token_ids[node]]):
+                states[node] = child
+    return [states[node].allowed() if node in states else None for node in nodes]

@@ -12,9 +12,10 @@ import torch
 from drafter_service.drafting import Draft, Drafter, DrafterSession, ScoredTree, VerifierState
 from specdec.core.batching import run_alone
 from specdec.core.errors import PastContext, RequestError, StaleSession
+from specdec.core.grammar import Constraint, ConstraintError
 from specdec.core.ngram import NgramIndex, NgramProposer
 from specdec.core.sampling import Sampling
-from specdec.core.tree import DraftTree, TreeShape
+from specdec.core.tree import ROOT, DraftTree, TreeShape
 from specdec.serving.config import LimitsConfig
 from specdec.serving.sessions import SessionStore, check_context, check_kv_room
 
@@ -33,7 +34,12 @@ class DraftingSessions:
             limits.max_sessions, limits.session_ttl_s, int(limits.max_kv_mib * 2**20), lambda session: drafter.state_bytes(session.state)
         )
 
-    def open_session(self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str) -> DrafterSession:
+    def open_session(
+        self, session_id: str, context: list[int], sampling: Sampling, verifier_fingerprint: str, constraint: Constraint | None = None,
+        prompt_length: int = 0,
+    ) -> DrafterSession:
+        """A session after `context`; with a `constraint` (its output after `prompt_length` tokens),
+        a drafter that reads the verifier's tokens masks its proposals by it."""
         info = self.info
         if verifier_fingerprint and info.fingerprint and verifier_fingerprint != info.fingerprint:
             raise RequestError(
@@ -46,6 +52,13 @@ class DraftingSessions:
             list(context), sampling, torch.Generator().manual_seed(sampling.seed ^ 0x5EED), NgramIndex(self.max_ngram, context),
             self.drafter.new_state(list(context), sampling), prompt_length=len(context),
         )
+        if constraint is not None and self.drafter.grammars is not None:
+            try:
+                session.grammar, _ = self.drafter.grammars.state(constraint)
+            except ConstraintError:
+                pass  # the verifier refuses it with the reason; unmasked drafts are exact all the same
+            if session.grammar is not None and not session.grammar.advance(context[prompt_length or len(context) :]):
+                session.grammar = None
         self.sessions.put(session_id, session)
         return session
 
@@ -136,6 +149,8 @@ class DraftingSessions:
 
     def _commit(self, session: DrafterSession, new_tokens: list[int]) -> None:
         session.tokens.extend(new_tokens)
+        if session.grammar is not None and not session.grammar.advance(new_tokens):
+            session.grammar = None
         session.ngram.extend(new_tokens)
         if session.lesson is not None:
             proposer, last = session.lesson
@@ -153,6 +168,11 @@ class DraftingSessions:
             if picked is None:
                 return ScoredTree(DraftTree(), [])
             context.append(picked)
+        session.draft_states = None
+        if session.grammar is not None:  # the proposals masked from the drafting context on
+            root = session.grammar.copy()
+            if root.advance(context[len(session.tokens) :] + forced):
+                session.draft_states = {ROOT: root}
         return (yield from self.drafter.draft(session, context + forced, shape, budget))
 
 

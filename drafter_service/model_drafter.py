@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from drafter_service.distributions import likeliest, next_tokens
-from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree
+from drafter_service.drafting import Drafter, DrafterInfo, DrafterSession, ScoredTree, grammar_masks
 from drafter_service.tree_builders import NextToken, builder_for
 from specdec.core.batching import Job
 from specdec.core.engine import ForwardCall, LlamaEngine, engine_for
+from specdec.core.grammar import Grammars
 from specdec.core.kv_cache import KVCache, TransformersCache, cache_nbytes
 from specdec.core.models import (
     ModelSpec,
@@ -81,6 +82,7 @@ class ModelDrafter(Drafter):
         if self.steering and isinstance(self.engine, LlamaEngine):
             self.engine.up_delta = self.steering.delta  # transformers' modules get theirs through hooks
         check_tree_attention(self.engine, self.model.config)
+        self.grammars = Grammars(tokenizer, self.model.config.vocab_size, eos_token_ids(self.model, tokenizer))
         self.info = DrafterInfo(
             self.model, self.vocab_size, tokenizer_fingerprint(tokenizer), eos_token_ids(self.model, tokenizer), max_context(self.model),
             self.engine.kv_bytes_per_token, self.steering.norm.normalized_shape[0] if self.steering else 0, steering_fingerprint,
@@ -157,7 +159,8 @@ class ModelDrafter(Drafter):
                 )
                 logits_of.update(zip(new, out))
             return next_tokens(
-                torch.stack([logits_of[fed_node[n]] for n in nodes]), session.sampling, self.draft_vocab, self.proposal_top_k
+                torch.stack([logits_of[fed_node[n]] for n in nodes]), session.sampling, self.draft_vocab, self.proposal_top_k,
+                grammar_masks(session, tree, nodes),
             )
 
         rescore = None

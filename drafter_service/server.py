@@ -10,6 +10,7 @@ from drafter_service.drafting import VerifierState
 from drafter_service.selection import drafter_for
 from specdec.core.batching import Batcher
 from specdec.core.batching import ComputeThread
+from specdec.core.grammar import constraint_from_proto
 from specdec.core.models import set_torch_threads
 from specdec.core.steering import SteeringError, vector_from_tensor
 from specdec.serving.config import LimitsConfig
@@ -48,7 +49,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             sampling = sampling_from_proto(request.start.sampling, "start.sampling: ")
             session = self.batcher.call(
                 request.session_id, self.engine.open_session, request.session_id, list(request.start.context_token_ids), sampling,
-                request.verifier_tokenizer_fingerprint,
+                request.verifier_tokenizer_fingerprint, constraint_from_proto(request.start.constraint), request.start.prompt_length,
             )
         else:
             session = self.engine.sessions.get(request.session_id)

@@ -29,7 +29,7 @@ from specdec.core.grammar import (
 )
 from specdec.core.models import ModelSpec
 from specdec.core.sampling import Sampling
-from specdec.core.tree import ROOT, DraftTree, Proposal
+from specdec.core.tree import ROOT, DraftTree, Proposal, TreeShape
 from specdec.serving.client import CoordinatorClient, generate_request
 from specdec.v1 import common_pb2
 from tests.conftest import local_stack
@@ -175,6 +175,34 @@ def test_a_constrained_draft_starts_with_the_forced_tokens_and_goes_on_through_s
     assert text.startswith('name: "cat", size') and made.tail > 0
     assert made.tree.parent == list(range(-1, len(made.tree) - 1))  # one chain
     assert made.forced == set(range(len(forced))) | set(range(len(forced) + len(chain), len(made.tree)))
+
+
+def test_a_model_drafter_masks_its_proposals_by_the_constraint(qwen_pair, grammars):
+    """Greedy and sampled drafts of every tree shape: each node's path allowed by the grammar, so
+    the coordinator prunes nothing; the same drafter unconstrained proposes tokens it forbids."""
+    from drafter_service.selection import drafter_for
+
+    tokenizer = qwen_pair["tokenizer"]
+    sessions = drafter_for(ModelSpec(str(qwen_pair["drafter"])))
+    constraint = Constraint("json_schema", json.dumps(SCHEMA))
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    shapes = [TreeShape("chain"), TreeShape("dynamic", width=3), TreeShape("rsd-s", width=2), TreeShape("static", branching=[2, 2])]
+    unconstrained_broke = False
+    for n, (shape, sampling) in enumerate((s, t) for s in shapes for t in (Sampling(), Sampling(temperature=1.0, seed=4))):
+        for constrained in (True, False):
+            name = f"{n}-{constrained}"
+            session = sessions.open_session(name, prompt, sampling, "", constraint if constrained else None)
+            draft = sessions.draft(
+                session_id=name, session=session, new_tokens=[], committed_length=len(prompt), num_tokens=8, shape=shape
+            )
+            state, _ = grammars.state(constraint)
+            kept, _ = prune_tree(draft.tree, state)
+            if constrained:
+                assert len(draft.tree) and kept == list(range(len(draft.tree))), shape
+            else:
+                unconstrained_broke |= len(kept) < len(draft.tree)
+            sessions.end_session(name)
+    assert unconstrained_broke
 
 
 # --- exact verification ---------------------------------------------------------------------
