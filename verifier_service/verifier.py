@@ -334,20 +334,25 @@ class Verifier:
         chain = DraftTree(list(forced), list(range(-1, len(forced) - 1)))
         committed_len = session.num_cached + len(pending)
         logits, _ = yield from self._forward(session, pending + forced, len(forced) + 1, ())
-        start = time.perf_counter()
-        logits = mask_tree_rows(logits, chain, session.grammar)
-        session.grammar_ms += (time.perf_counter() - start) * 1e3
-        if session.sampling.greedy:
-            path, next_token = accept_greedy(chain, greedy_tokens(logits))
-        else:
-            rng = position_generator(session.sampling.seed, position)
-            path, next_token = accept_sampled(chain, warp_probs(logits, session.sampling), rng)
+        path, next_token = self._accept(session, chain, logits, position)
         session.cache.keep_positions(committed_len, [committed_len + node for node in path])
         chosen = [forced[node] for node in path] + [next_token]
         session.grammar.advance(chosen)
         session.forced[0] += len(forced)
         session.forced[1] += len(path)
         return chosen
+
+    def _accept(self, session: VerifierSession, tree: DraftTree, logits: torch.Tensor, position: int) -> tuple[list[int], int]:
+        """The accepted path of `tree` and the verifier's next token, from a pass's logits (row 0:
+        after the committed context, at `position`; row 1 + i: after node i), each row masked by
+        its own path's grammar state where the session is constrained."""
+        if session.grammar is not None:
+            start = time.perf_counter()
+            logits = mask_tree_rows(logits, tree, session.grammar)
+            session.grammar_ms += (time.perf_counter() - start) * 1e3
+        if session.sampling.greedy:
+            return accept_greedy(tree, greedy_tokens(logits))
+        return accept_sampled(tree, warp_probs(logits, session.sampling), position_generator(session.sampling.seed, position))
 
     def _verify_tree(self, session: VerifierSession, tree: DraftTree, depths: tuple[int, ...]) -> Job:
         """The new tokens, and the hidden states at `depths` of the positions committed: the pending
@@ -364,15 +369,7 @@ class Verifier:
             position_ids=positions,
             attention_mask=mask,
         )
-        if session.grammar is not None:  # each row masked by its own path's grammar state
-            start = time.perf_counter()
-            logits = mask_tree_rows(logits, tree, session.grammar)
-            session.grammar_ms += (time.perf_counter() - start) * 1e3
-        if session.sampling.greedy:
-            path, next_token = accept_greedy(tree, greedy_tokens(logits))
-        else:
-            rng = position_generator(session.sampling.seed, len(session.tokens))  # the round's first new position
-            path, next_token = accept_sampled(tree, warp_probs(logits, session.sampling), rng)
+        path, next_token = self._accept(session, tree, logits, len(session.tokens))  # the round's first new position
         committed_len = num_cached + len(pending)
         session.cache.keep_positions(committed_len, [committed_len + node for node in path])
         committed = list(range(len(pending))) + [len(pending) + node for node in path]
