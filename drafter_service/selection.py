@@ -53,5 +53,5 @@ def drafter_for(
             if verifier_tokenizer:
                 bridge = TokenizerBridge(load_tokenizer(spec.source), load_tokenizer(verifier_tokenizer))
                 inner = CrossTokenizerDrafter(inner, bridge, settings.max_ngram, limits.max_draft_tokens)
-        drafter = HybridDrafter(inner, methods, settings.method or "none")
+        drafter = HybridDrafter(inner, methods, settings.method or "none", settings.fallback)
     return DraftingSessions(drafter, methods, settings.max_ngram, spec.source, limits)

@@ -198,6 +198,31 @@ def test_a_model_free_drafter_runs_inside_the_coordinator(tiny_dirs, tiny_verifi
     assert response.stats.drafted_tokens > 0 and response.stats.drafter_replica.startswith("in-process:"), response.stats.drafter_replica
 
 
+def test_fallback_hybrid_drafts_the_ngram_alone_where_the_context_matches(tiny_dirs):
+    """drafter.ngram.fallback: a matching context gets the n-gram draft alone, with no drafter
+    forward; an unmatched one the model's draft (the merged hybrid runs the model on both)."""
+    from drafter_service.selection import drafter_for
+    from specdec.core.models import ModelSpec
+    from specdec.core.sampling import Sampling
+    from specdec.core.tree import TreeShape
+
+    spec = ModelSpec(str(tiny_dirs["drafter"]))
+    matched, unmatched = [1, 5, 9, 4, 7, 2, 5, 9, 4], [1, 5, 9, 4, 7, 2, 3, 11]
+    forwards = {}
+    for fallback in (True, False):
+        engine = drafter_for(spec, ngram=NgramSettings(method="suffix", fallback=fallback, recent_output_tokens=0))
+        for name, context in (("matched", matched), ("unmatched", unmatched)):
+            session = engine.open_session(name, context, Sampling(), "")
+            draft = engine.draft(session_id=name, session=session, new_tokens=[], committed_length=len(context), num_tokens=4,
+                                 shape=TreeShape(method="chain"))
+            assert len(draft.tree)
+            forwards[fallback, name] = draft.forward_passes
+            if fallback and name == "matched":
+                assert draft.tree.token_ids[:2] == [7, 2]  # what followed "5 9 4" before
+    assert forwards[True, "matched"] == 0 < forwards[False, "matched"]
+    assert forwards[True, "unmatched"] > 0
+
+
 @pytest.mark.parametrize("method", ["chain", "dynamic"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_staged_drafting_drafts_the_same_trees_with_fewer_forwards(tiny_dirs, method, temperature):

@@ -35,7 +35,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafters",
         help="comma-separated drafters compared side by side, each in its own stack (default: the config's): a model "
         "name or directory, 'model' (the config's drafter), 'prompt-lookup' or 'suffix' (no model), 'hybrid' (the config's "
-        "drafter with n-gram candidates: its drafter.ngram.method, else suffix), 'staged' (the config's drafter drafting "
+        "drafter with n-gram candidates: its drafter.ngram.method, else suffix), 'fallback' (the same, the n-gram draft alone "
+        "where the context matches and the model only where it does not), 'staged' (the config's drafter drafting "
         "with an n-gram second stage), 'oracle' (drafts the verifier alone's own greedy continuation of each prompt, "
         "recorded first through the same stack: the most any drafter could keep with each plan); NAME:unsteered runs a "
         "steered drafter without its steering; NAME@N@FORMAT a drafter model with its head cut to its N most frequent tokens "

@@ -464,7 +464,7 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
     source: its reference table in `references`; NAME@OPTION@...: NAME with a draft vocabulary
     of N for an OPTION that is a number, in the weight format an OPTION names otherwise)."""
     entry, *options = entry.split("@")
-    own = entry in ("model", "hybrid", "staged")
+    own = entry in ("model", "hybrid", "fallback", "staged")
     # Memory across requests only where the drafter decodes each prompt once: it then learns
     # from the other prompts, as in service; one that remembered a prompt's earlier run would
     # draft its next run from it.
@@ -480,7 +480,10 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
     return {
         "model": model,
         **({"torch_threads": 0} if named_model else {}),
-        "ngram": {"method": (config.drafter.ngram.method or "suffix") if entry == "hybrid" else "", **memory},
+        "ngram": {
+            "method": (config.drafter.ngram.method or "suffix") if entry in ("hybrid", "fallback") else "",
+            "fallback": entry == "fallback", **memory,
+        },
         "staged_lookahead": (config.drafter.staged_lookahead or STAGED_LOOKAHEAD) if entry == "staged" else 0,
         "tokenizer": config.drafter.tokenizer if own else _tokenizer_of(entry, verifier_tokenizer),
     }

@@ -28,6 +28,9 @@ class NgramSettings:
     """How the n-gram drafter matches and drafts (the YAML section drafter.ngram)."""
 
     method: str = ""  # with a model drafter: "" (model only) or an NGRAM_METHODS entry (hybrid)
+    # hybrid: where the context matches, the n-gram draft goes alone (no drafter forward); the
+    # model drafts only where it does not (false: both share each tree's budget)
+    fallback: bool = False
     max_ngram: int = 4  # longest suffix of the context matched
     min_ngram: int = 2  # shortest; below it there is no match and no draft
     max_occurrences: int = 64  # suffix: most recent occurrences whose continuations form the tree
