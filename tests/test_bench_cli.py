@@ -136,3 +136,7 @@ def test_a_drafters_entry_names_its_draft_vocabulary_and_format():
     model = _drafter_args("model@0", config, True, None, None)["model"]
     assert (model["draft_vocab"], model["dtype"], model["requantize"]) == (0, "int8", False)
     assert _drafter_args("model@int8", config, True, None, None)["model"]["requantize"] is False
+    # Another drafter than the config's takes none of its model's settings: a suffix stack beside a 0.5B with a cut head.
+    config = config_from_dict({"drafter": {"model": {"source": "smollm2-135m-drafter", "draft_vocab": 4096}}})
+    assert _drafter_args("suffix", config, True, None, None)["model"] == {"source": "suffix", "draft_vocab": 0}
+    config_from_dict({"drafter": _drafter_args("suffix", config, True, None, None)})  # a valid drafter section

@@ -472,8 +472,9 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
     named_model = not own and entry != ORACLE and not is_model_free(entry)
     # A drafter model named on the command line: int8 (it reads any weights), on both cores
     # while it drafts (the config's one thread suits only a tiny drafter beside the verifier).
+    # Another drafter than the config's takes none of its model's settings (a draft vocabulary, say).
     model = dataclasses.asdict(config.drafter.model) if own else {
-        "source": str(references) if entry == ORACLE else entry, **({"dtype": "int8"} if named_model else {})
+        "source": str(references) if entry == ORACLE else entry, "draft_vocab": 0, **({"dtype": "int8"} if named_model else {})
     }
     for option in options:  # a block format from a file stored otherwise: quantized again
         model |= {"draft_vocab": int(option)} if option.isdigit() else {"dtype": option, "requantize": option in BLOCK_FORMATS}
