@@ -95,9 +95,11 @@ class Meter:
     draft_own_tokens: int = 0
     draft_reencode_rollbacks: int = 0
     draft_mapping_ms: float = 0.0
-    grammar_compile_ms: float = 0.0  # structured outputs: the constraint's compile, the verifier's masking,
-    grammar_mask_ms: float = 0.0  # the coordinator's forced tokens and pruning, and the forced tokens
-    grammar_draft_ms: float = 0.0  # drafted and accepted
+    # Structured outputs (RoundStats' grammar_* and forced fields): the constraint's compile, the
+    # verifier's masking, the coordinator's forced tokens and pruning; forced tokens drafted and accepted.
+    grammar_compile_ms: float = 0.0
+    grammar_mask_ms: float = 0.0
+    grammar_draft_ms: float = 0.0
     forced: int = 0
     accepted_forced: int = 0
     accepted_counts: Counter = field(default_factory=Counter)  # speculative rounds by draft tokens accepted
