@@ -314,17 +314,17 @@ class _Rounds:
             self.meter.add_call(call, is_draft=True)
             drafted = _Drafted(draft, call, shape, call.compute_ms, call.overhead_ms)
         if self.session.grammar is not None:
-            drafted.draft, drafted.forced = self._constrained(drafted.draft, forced, max(remaining - 1 - depth, 0))
+            drafted.draft, drafted.forced = self._constrained(drafted.draft, forced, remaining - 1)
         if drafted.draft.confidence:
             drafted.draft = _worth_verifying(drafted.draft, self.costs)
         return drafted, plan
 
-    def _constrained(self, draft, forced: list[int], limit: int) -> tuple[object, set[int]]:
+    def _constrained(self, draft, forced: list[int], max_depth: int) -> tuple[object, set[int]]:
         """The draft (made after the forced tokens) as the verifier gets it under the constraint
-        (specdec/core/grammar.py constrain_draft), and which of its nodes the grammar forced
-        (confident: only their tokenization may differ)."""
+        (specdec/core/grammar.py constrain_draft), no deeper than `max_depth`, and which of its
+        nodes the grammar forced (confident: only their tokenization may differ)."""
         started = time.perf_counter()
-        made = constrain_draft(tree_from_proto(draft.tree), self.session.grammar, forced, limit)
+        made = constrain_draft(tree_from_proto(draft.tree), self.session.grammar, forced, max_depth)
         constrained = drafter_pb2.DraftResponse()
         constrained.CopyFrom(draft)
         constrained.tree.CopyFrom(tree_to_proto(made.tree))

@@ -169,12 +169,14 @@ def test_a_constrained_draft_starts_with_the_forced_tokens_and_goes_on_through_s
     assert tokenizer.decode(forced) == "name:"  # not the quote: a longer token may start with it
     chain = ids(' "cat"')
     draft = DraftTree(chain + ids("x"), list(range(-1, len(chain) - 1)) + [ROOT])  # the chain, and a forbidden branch
-    made = constrain_draft(draft, state, forced, limit=32)
+    made = constrain_draft(draft, state, forced, max_depth=32)
     assert made.kept == list(range(len(chain)))
     text = tokenizer.decode(made.tree.token_ids)  # the forced text, the draft, then what the grammar forces after it
     assert text.startswith('name: "cat", size') and made.tail > 0
     assert made.tree.parent == list(range(-1, len(made.tree) - 1))  # one chain
     assert made.forced == set(range(len(forced))) | set(range(len(forced) + len(chain), len(made.tree)))
+    shallow = constrain_draft(draft, state, forced, max_depth=len(forced) + len(chain) + 1)  # room for one more token
+    assert shallow.tail == 1 and len(shallow.tree) == len(forced) + len(chain) + 1
 
 
 def test_a_model_drafter_masks_its_proposals_by_the_constraint(qwen_pair, grammars):

@@ -223,12 +223,12 @@ class ConstrainedDraft:
     forced: set[int]  # the nodes of `tree` the grammar forced (the chain before the draft, the tail)
 
 
-def constrain_draft(draft: DraftTree, state: GrammarState, forced: list[int], limit: int) -> ConstrainedDraft:
+def constrain_draft(draft: DraftTree, state: GrammarState, forced: list[int], max_depth: int) -> ConstrainedDraft:
     """A draft made after the `forced` tokens, as the verifier gets it under the grammar (at
     `state`, before them): below a chain of the forced tokens, without the nodes the grammar
-    forbids (`prune_tree`), and its deepest path (a point-mass node's) continued by up to `limit`
-    tokens the grammar forces after it: a drafter's chain that ends where structure begins
-    (a string's closing quote) goes on through the structure."""
+    forbids (`prune_tree`), and its deepest path (a point-mass node's) continued by the tokens the
+    grammar forces after it, no node deeper than `max_depth`: a drafter's chain that ends where
+    structure begins (a string's closing quote) goes on through the structure."""
     after = state.copy()
     after.advance(forced)
     kept, states = prune_tree(draft, after)
@@ -237,7 +237,7 @@ def constrain_draft(draft: DraftTree, state: GrammarState, forced: list[int], li
         depth[node] = depth[draft.parent[node]] + 1
     leaves = [n for n in kept if n in states and n not in draft.proposals and not any(draft.parent[m] == n for m in kept)]
     leaf = max(leaves, key=lambda n: (depth[n], -n), default=None)
-    tail = states[leaf].forced(limit) if leaf is not None else []
+    tail = states[leaf].forced(max_depth - len(forced) - depth[leaf]) if leaf is not None else []
     tree = below_forced(forced, draft.subtree(kept))
     k = len(forced)
     for i, token in enumerate(tail):
