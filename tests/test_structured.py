@@ -364,6 +364,11 @@ def test_openai_response_format_and_the_parse_helper(api, stack):
     reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0, response_format=schema_format)
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=48, temperature=0, response_format=schema_format, stream=True,
+    ))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
     parsed = client.chat.completions.parse(model="tiny", messages=messages, max_tokens=48, temperature=0, response_format=Description)
     assert isinstance(parsed.choices[0].message.parsed, Description)
     anything = client.completions.create(
