@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from drafter_service.tree_builders import NextToken
+from specdec.core.grammar import mask_rows
 from specdec.core.sampling import Sampling, greedy_tokens, warp_probs
 from specdec.core.tree import Proposal
 
@@ -19,11 +20,10 @@ def next_tokens(
     the drafter's vocabulary holds any of them."""
     if allowed is not None:
         logits = logits.clone()
-        for row, mask in zip(logits, allowed):
-            if mask is not None:
-                mask = mask if draft_vocab is None else mask[draft_vocab]
-                if mask.any():
-                    row.masked_fill_(~mask[: len(row)], float("-inf"))
+        for row, mask in enumerate(allowed):
+            mask = mask if mask is None or draft_vocab is None else mask[draft_vocab]
+            if mask is not None and mask.any():
+                logits[row] = mask_rows(logits[row], mask)
     if sampling.greedy:
         return [NextToken(probs, draft_vocab) for probs in torch.softmax(logits.double(), dim=-1)]
     proposals = [sparse_proposal(row, sampling, draft_vocab, proposal_top_k) for row in logits]

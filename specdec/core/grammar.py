@@ -181,17 +181,9 @@ def mask_tree_rows(logits: torch.Tensor, tree: DraftTree, state: GrammarState) -
     with each row masked by the grammar state of its path. A row whose path the grammar forbids
     is left as it is: its node is rejected before anything reads it (its token has probability 0)."""
     masked = logits.clone()
-    states = {ROOT: state}
-    for row, node in enumerate([ROOT, *range(len(tree))]):
-        if node != ROOT:
-            parent = states.get(tree.parent[node])
-            if parent is None:
-                continue
-            child = parent.copy()
-            if not child.advance([tree.token_ids[node]]):
-                continue
-            states[node] = child
-        masked[row] = mask_rows(logits[row], states[node].allowed())
+    for node, at in prune_tree(tree, state)[1].items():
+        row = 0 if node == ROOT else 1 + node
+        masked[row] = mask_rows(logits[row], at.allowed())
     return masked
 
 
