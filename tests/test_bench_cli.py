@@ -127,7 +127,10 @@ def test_fresh_completion_prompts_ask_for_the_body_alone():
 
 def test_a_drafters_entry_names_its_draft_vocabulary_and_format():
     """--drafters NAME@N@FORMAT: the stack's drafter section (a block format quantizes a GGUF again)."""
+    import dataclasses
+
     from specdec.bench.speed import _drafter_args
+    from specdec.core.models import ModelSpec
     from specdec.serving.config import config_from_dict
 
     config = config_from_dict({"drafter": {"model": {"source": "smollm2-135m-drafter", "dtype": "int8"}}})
@@ -138,5 +141,5 @@ def test_a_drafters_entry_names_its_draft_vocabulary_and_format():
     assert _drafter_args("model@int8", config, True, None, None)["model"]["requantize"] is False
     # Another drafter than the config's takes none of its model's settings: a suffix stack beside a 0.5B with a cut head.
     config = config_from_dict({"drafter": {"model": {"source": "smollm2-135m-drafter", "draft_vocab": 4096}}})
-    assert _drafter_args("suffix", config, True, None, None)["model"] == {"source": "suffix", "draft_vocab": 0}
+    assert _drafter_args("suffix", config, True, None, None)["model"] == dataclasses.asdict(ModelSpec("suffix"))
     config_from_dict({"drafter": _drafter_args("suffix", config, True, None, None)})  # a valid drafter section

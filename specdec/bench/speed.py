@@ -469,13 +469,16 @@ def _drafter_args(entry: str, config, sees_each_prompt_once: bool, references: P
     # from the other prompts, as in service; one that remembered a prompt's earlier run would
     # draft its next run from it.
     memory = {} if sees_each_prompt_once else {"recent_output_tokens": 0}
+    from specdec.core.models import ModelSpec
+
     named_model = not own and entry != ORACLE and not is_model_free(entry)
     # A drafter model named on the command line: int8 (it reads any weights), on both cores
     # while it drafts (the config's one thread suits only a tiny drafter beside the verifier).
-    # Another drafter than the config's takes none of its model's settings (a draft vocabulary, say).
-    model = dataclasses.asdict(config.drafter.model) if own else {
-        "source": str(references) if entry == ORACLE else entry, "draft_vocab": 0, **({"dtype": "int8"} if named_model else {})
-    }
+    # Another drafter than the config's takes none of its model's settings (a draft vocabulary, say):
+    # every field is named, so that none comes from the config file the stack's args merge into.
+    model = dataclasses.asdict(config.drafter.model if own else ModelSpec(
+        str(references) if entry == ORACLE else entry, **({"dtype": "int8"} if named_model else {})
+    ))
     for option in options:  # a block format from a file stored otherwise: quantized again
         model |= {"draft_vocab": int(option)} if option.isdigit() else {"dtype": option, "requantize": option in BLOCK_FORMATS}
     return {
