@@ -71,13 +71,14 @@ def test_native_kernel_sums_what_the_torch_ops_sum_and_each_row_alone():
     fused, first, second = mixed_layer(seed=2)
     assert fused.kernels is not None
     torch.manual_seed(0)
-    x = torch.randn(19, 768) * 3
+    x = torch.randn(40, 768) * 3
     x[3] = 0  # an all-zero row quantizes to zeros
     native = fused(x)
     assert torch.equal(native, torch.cat([first(x), second(x)], dim=1))
     reference = fused._torch_forward(x)
     assert torch.allclose(native, reference, rtol=1e-5, atol=1e-4 * reference.abs().max().item())
-    for rows in (1, 2, 3, 4, 5, 9, 16, 17):  # row groups of every size the kernel makes
+    # row groups of every size the vector path makes; with AMX, one, two and three row tiles
+    for rows in (1, 2, 3, 4, 5, 9, 11, 12, 16, 17, 32, 33):
         assert torch.equal(fused(x[:rows]), native[:rows]), rows
     assert torch.equal(torch.cat([fused(x[i : i + 1]) for i in range(len(x))]), native)
     # the weights the sums stand for: dequantized blocks times the activations, to quantization error
@@ -90,11 +91,12 @@ def test_native_kernel_sums_what_the_torch_ops_sum_and_each_row_alone():
 def test_every_instruction_set_computes_the_same_bits():
     """The kernels' scalar paths (-march=x86-64), AVX2's (x86-64-v3), AVX-512 with VNNI emulated
     by SIMDe on AVX2 (so its paths are checked on any x86), AVX-512's where this CPU has it
-    (x86-64-v4), AMX's tiles emulated, and this CPU's own (VNNI, tiles where it has them) give
+    (x86-64-v4), AMX's tiles emulated (on the scalar paths, and beside emulated AVX-512 for the
+    K-quants' tile path), and this CPU's own (VNNI, tiles where it has them) give
     every GGUF format's layers and the int8 layer the same outputs bit for bit, row by row: a
     served model's tokens do not depend on its machine."""
     marches = [("x86-64", ()), ("x86-64", ("amx",)), ("x86-64-v3", ()), ("x86-64-v3", ("avx512",)),
-               *([("x86-64-v4", ())] if " avx512bw" in _cpu_flags() else []), ("native", ())]
+               ("x86-64-v3", ("avx512", "amx")), *([("x86-64-v4", ())] if " avx512bw" in _cpu_flags() else []), ("native", ())]
     builds = {f"{march}{'+' if emulate else ''}{'+'.join(emulate)}": build(KERNEL_SOURCE.read_text(), march, emulate)
               for march, emulate in marches}
     fused, _, _ = mixed_layer(seed=3)

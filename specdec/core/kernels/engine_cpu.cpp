@@ -10,8 +10,8 @@
 //
 // Paths by instruction set, chosen at compile time (-march) inside each kernel: scalar (the
 // reference), AVX2, AVX-512 (quantizers, attention, epilogues) with VNNI (the int8, block and
-// K-quant dot products), and AMX's tiles for int8 passes of 4 or more rows (`tiles` below, used
-// where the kernel grants the process tile state). Every path gives the same bits; a CPU without
+// K-quant dot products), and AMX's tiles for int8 passes of 4 or more rows and K-quant passes of
+// 12 or more (`tiles` below, used where the kernel grants the process tile state). Every path gives the same bits; a CPU without
 // one still builds and tests it: -DSPECDEC_SIMDE emulates AVX-512 VNNI through SIMDe's headers,
 // -DSPECDEC_EMULATE_AMX the tiles in plain C++ (kernels/__init__.py build(emulate=...)).
 #include <torch/extension.h>
@@ -486,18 +486,29 @@ void release() { _tile_release(); }
   SPECDEC_TILE(0, statement(0)) SPECDEC_TILE(1, statement(1)) SPECDEC_TILE(2, statement(2)) SPECDEC_TILE(3, statement(3)) \
   SPECDEC_TILE(4, statement(4)) SPECDEC_TILE(5, statement(5)) SPECDEC_TILE(6, statement(6)) SPECDEC_TILE(7, statement(7))
 #define SPECDEC_ZERO(T) _tile_zero(T)
-#define SPECDEC_LOAD(T) _tile_loadd(T, at, kBytes)
+#define SPECDEC_LOAD(T) _tile_loadd(T, at, stride)
 #define SPECDEC_STORE(T) _tile_stored(T, at, kBytes)
 template <int Tile> void zero() { SPECDEC_EACH_TILE(SPECDEC_ZERO) }
-template <int Tile> void load(const void* at) { SPECDEC_EACH_TILE(SPECDEC_LOAD) }
+// `stride`: bytes from one of the tile's rows to the next in memory
+template <int Tile> void load(const void* at, int64_t stride = kBytes) { SPECDEC_EACH_TILE(SPECDEC_LOAD) }
 template <int Tile> void store(void* at) { SPECDEC_EACH_TILE(SPECDEC_STORE) }
-// The products the int8 layer takes: C tiles 0-3 from A in 4 (or 7) and B in 5 or 6.
-#define SPECDEC_DPBUSD(C_, A_, B_) \
-  if constexpr (C == C_ && A == A_ && B == B_) _tile_dpbusd(C_, A_, B_);
+// The products the layers take, by the signs of A's and B's bytes (U unsigned, S signed): the
+// int8 layer's C tiles 0-3 from A in 4 (or 7) and B in 5 or 6 (US); the K-quant layer's C 0 and 2
+// from A in 4 and 7 times B in 5 (SU), C 1 and 3 times B in 6 (SS).
+#define SPECDEC_PRODUCT(C_, A_, B_, op) \
+  if constexpr (C == C_ && A == A_ && B == B_) op(C_, A_, B_);
 template <int C, int A, int B> void dpbusd() {
   static_assert((A == 4 || A == 7) && (B == 5 || B == 6) && C >= 0 && C < 4, "C tiles 0-3, A 4 or 7, B 5 or 6");
-  SPECDEC_DPBUSD(0, 4, 5) SPECDEC_DPBUSD(1, 4, 6) SPECDEC_DPBUSD(2, 4, 5) SPECDEC_DPBUSD(3, 4, 6)
-  SPECDEC_DPBUSD(2, 7, 5) SPECDEC_DPBUSD(3, 7, 6)
+  SPECDEC_PRODUCT(0, 4, 5, _tile_dpbusd) SPECDEC_PRODUCT(1, 4, 6, _tile_dpbusd) SPECDEC_PRODUCT(2, 4, 5, _tile_dpbusd)
+  SPECDEC_PRODUCT(3, 4, 6, _tile_dpbusd) SPECDEC_PRODUCT(2, 7, 5, _tile_dpbusd) SPECDEC_PRODUCT(3, 7, 6, _tile_dpbusd)
+}
+template <int C, int A, int B> void dpbsud() {
+  static_assert((C == 0 && A == 4 || C == 2 && A == 7) && B == 5, "C 0 from A 4, C 2 from A 7, B 5");
+  SPECDEC_PRODUCT(0, 4, 5, _tile_dpbsud) SPECDEC_PRODUCT(2, 7, 5, _tile_dpbsud)
+}
+template <int C, int A, int B> void dpbssd() {
+  static_assert((C == 1 && A == 4 || C == 3 && A == 7) && B == 6, "C 1 from A 4, C 3 from A 7, B 6");
+  SPECDEC_PRODUCT(1, 4, 6, _tile_dpbssd) SPECDEC_PRODUCT(3, 7, 6, _tile_dpbssd)
 }
 #else
 bool available() { return true; }
@@ -505,12 +516,15 @@ alignas(64) thread_local uint8_t registers[8][kRows * kBytes];
 void configure() {}
 void release() {}
 template <int T> void zero() { std::memset(registers[T], 0, sizeof(registers[T])); }
-template <int T> void load(const void* at) { std::memcpy(registers[T], at, sizeof(registers[T])); }
+template <int T> void load(const void* at, int64_t stride = kBytes) {
+  for (int row = 0; row < kRows; ++row) std::memcpy(registers[T] + row * kBytes, static_cast<const uint8_t*>(at) + row * stride, kBytes);
+}
 template <int T> void store(void* at) { std::memcpy(at, registers[T], sizeof(registers[T])); }
-template <int C, int A, int B> void dpbusd() {
+// C += A x B with A's and B's bytes read as AType and BType
+template <typename AType, typename BType, int C, int A, int B> void product() {
   int32_t* c = reinterpret_cast<int32_t*>(registers[C]);
-  const uint8_t* a = registers[A];
-  const int8_t* b = reinterpret_cast<const int8_t*>(registers[B]);
+  const AType* a = reinterpret_cast<const AType*>(registers[A]);
+  const BType* b = reinterpret_cast<const BType*>(registers[B]);
   for (int m = 0; m < kRows; ++m)
     for (int n = 0; n < 16; ++n) {
       int64_t sum = 0;
@@ -520,11 +534,14 @@ template <int C, int A, int B> void dpbusd() {
       c[m * 16 + n] = static_cast<int32_t>(static_cast<uint32_t>(c[m * 16 + n]) + static_cast<uint32_t>(sum));
     }
 }
+template <int C, int A, int B> void dpbusd() { product<uint8_t, int8_t, C, A, B>(); }
+template <int C, int A, int B> void dpbsud() { product<int8_t, uint8_t, C, A, B>(); }
+template <int C, int A, int B> void dpbssd() { product<int8_t, int8_t, C, A, B>(); }
 #endif
 }  // namespace tiles
 
-// Whether the int8 layers multiply through the tiles (where available; tests switch them off
-// to compare the two paths).
+// Whether the int8 and K-quant layers multiply through the tiles (where available; tests switch
+// them off to compare the paths).
 bool use_tiles = true;
 #endif
 
@@ -1060,6 +1077,56 @@ void quantize_super(const float* x, int64_t k, int8_t* xq, float* scales, int16_
   }
 }
 
+#if defined(__AVX512VNNI__)
+// Sub-block j (32 inputs) of super-block `wb`, unpacked: step s holds q of inputs 4s..4s+3 of
+// the sub-block for the 16 channels, one byte each (Q6_K: with its two high bits).
+template <int Format>
+inline void kquant_steps(const uint8_t* wb, int j, __m512i q[8]) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_pair = _mm512_set1_epi8(0x30);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512i packed = _mm512_loadu_si512(wb + j * 256 + i * 64);
+    q[i] = _mm512_and_si512(packed, low_nibbles);
+    q[i + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+  }
+  if constexpr (Format == kQ6K) {
+    // step s's two high bits: bits 2 (s / 2) of high plane s % 2
+    const __m512i high[2] = {_mm512_loadu_si512(wb + 2048 + j * 128), _mm512_loadu_si512(wb + 2048 + j * 128 + 64)};
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512i up = i < 2 ? _mm512_slli_epi16(high[i % 2], 4) : _mm512_slli_epi16(high[i % 2], 2);
+      const __m512i down = i < 2 ? high[i % 2] : _mm512_srli_epi16(high[i % 2], 2);
+      q[i] = _mm512_or_si512(q[i], _mm512_and_si512(up, high_pair));
+      q[i + 4] = _mm512_or_si512(q[i + 4], _mm512_and_si512(down, high_pair));
+    }
+  }
+}
+
+// Sub-block j's factors a of each channel, one int32 lane per channel: of its inputs 0-15 and of
+// 16-31 (Q4_K: one a for both).
+template <int Format>
+inline std::pair<__m512i, __m512i> kquant_a(const uint8_t* wb, int j) {
+  const int8_t* factors = reinterpret_cast<const int8_t*>(wb + factors_at<Format>() + j * 32);
+  if constexpr (Format == kQ6K) {
+    const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(factors)));
+    return {_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16), _mm512_srai_epi32(pairs, 16)};
+  } else {
+    const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(factors)));
+    return {a, a};
+  }
+}
+
+// Sub-block j's factors b of each channel as an int16 pair (Q4_K: b, b; Q6_K: the two halves'
+// a), for vpdpwssd with a row's pair of sums of 16 xq.
+template <int Format>
+inline __m512i kquant_b(const uint8_t* wb, int j) {
+  const int8_t* factors = reinterpret_cast<const int8_t*>(wb + factors_at<Format>() + j * 32);
+  if constexpr (Format == kQ6K) return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(factors)));
+  const __m128i b16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors + 16));
+  return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(b16, b16), _mm_unpacklo_epi8(b16, b16)));
+}
+#endif
+
 // out[r][c] for `rows` rows (at most kKRows) and the 16 channels of one group: super-blocks in
 // order, each adding float(ia) (d s) and then -float(ib) (dmin s).
 template <int Format, int R>
@@ -1072,7 +1139,6 @@ void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sum
   // each half, Q6_K) times its factors a go to ia (vpmulld); then the rows' ib, the pair sums
   // of xq times the factors b (vpdpwssd). A row keeps one accumulator in registers at a time,
   // and its total in `out` (ia's term, then ib's: the scalar path's order).
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_pair = _mm512_set1_epi8(0x30);
   const auto x4 = [&](int r, int64_t at) { return _mm512_set1_epi32(load4(x + r * k + at)); };
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, _mm512_setzero_ps());
@@ -1088,16 +1154,10 @@ void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sum
       constexpr int kLines = kBytes / 64;
       for (int line = j * kLines / 8; line < (j == 7 ? kLines : (j + 1) * kLines / 8); ++line)
         _mm_prefetch(reinterpret_cast<const char*>(wb + 16 * kBytes + 64 * line), _MM_HINT_T1);
-      const uint8_t* nibbles = wb + j * 256;
-      const int8_t* factors = reinterpret_cast<const int8_t*>(wb + kFactors + j * 32);
       const int64_t at = sb * kSuper + j * 32;  // this sub-block's first input
       __m512i q[8];  // step s: inputs 4s..4s+3 of the sub-block
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const __m512i packed = _mm512_loadu_si512(nibbles + i * 64);
-        q[i] = _mm512_and_si512(packed, low_nibbles);
-        q[i + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-      }
+      kquant_steps<Format>(wb, j, q);
+      const auto [a_low, a_high] = kquant_a<Format>(wb, j);
       // row r's sums of the sub-block's inputs 0-15 and 16-31: four steps each
       const auto halves = [&](int r) {
         __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], x4(r, at));
@@ -1110,29 +1170,16 @@ void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sum
         return std::pair{low, top};
       };
       if constexpr (Format == kQ6K) {
-        // step s's two high bits: bits 2 (s / 2) of high plane s % 2
-        const __m512i high[2] = {_mm512_loadu_si512(wb + 2048 + j * 128), _mm512_loadu_si512(wb + 2048 + j * 128 + 64)};
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          const __m512i up = i < 2 ? _mm512_slli_epi16(high[i % 2], 4) : _mm512_slli_epi16(high[i % 2], 2);
-          const __m512i down = i < 2 ? high[i % 2] : _mm512_srli_epi16(high[i % 2], 2);
-          q[i] = _mm512_or_si512(q[i], _mm512_and_si512(up, high_pair));
-          q[i + 4] = _mm512_or_si512(q[i + 4], _mm512_and_si512(down, high_pair));
-        }
-        // (a of inputs 0-15, a of 16-31) of a channel: one 32-bit lane of int16 pairs
-        const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(factors)));
-        const __m512i a_low = _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16), a_high = _mm512_srai_epi32(pairs, 16);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const auto [low, top] = halves(r);
           acc[r] = _mm512_add_epi32(acc[r], _mm512_add_epi32(_mm512_mullo_epi32(low, a_low), _mm512_mullo_epi32(top, a_high)));
         }
       } else {
-        const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(factors)));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const auto [low, top] = halves(r);
-          acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(_mm512_add_epi32(low, top), a));
+          acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(_mm512_add_epi32(low, top), a_low));
         }
       }
     }
@@ -1147,14 +1194,7 @@ void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sum
     // ib: per sub-block, the factors b of a channel as an int16 pair (Q4_K: b, b; Q6_K: the two
     // halves' a) times the row's pair of sums of 16 xq
     for (int j = 0; j < 8; ++j) {
-      const int8_t* factors = reinterpret_cast<const int8_t*>(wb + kFactors + j * 32);
-      __m512i b;
-      if constexpr (Format == kQ6K) {
-        b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(factors)));
-      } else {
-        const __m128i b16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors + 16));
-        b = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(b16, b16), _mm_unpacklo_epi8(b16, b16)));
-      }
+      const __m512i b = kquant_b<Format>(wb, j);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) acc[r] = _mm512_dpwssd_epi32(acc[r], b, _mm512_set1_epi32(load4(sums16 + r * (k / 16) + sb * 16 + j * 2)));
     }
@@ -1313,7 +1353,8 @@ struct KQuantLayer {
   template <typename MakeRow>
   void quantize(int64_t rows, int64_t k_in, MakeRow make_row, std::vector<uint8_t>& xq, std::vector<float>& scales) const {
     TORCH_CHECK(k_in == k(), "packed K-quant weights do not match the input");
-    at_least(xq, rows * k() + rows * (k() / 16) * 2);
+    // past the sums: the tail of a row tile reads up to 15 rows past the last (their products dropped)
+    at_least(xq, rows * k() + rows * (k() / 16) * 2 + 16 * k());
     at_least(scales, rows * supers);
     at::parallel_for(0, rows, kQuantizeGrain, [&](int64_t first, int64_t last) {
       std::vector<float> row(k());
@@ -1331,6 +1372,9 @@ struct KQuantLayer {
   void multiply(const std::vector<uint8_t>& xq, const std::vector<float>& scales, int64_t rows, float* out) const {
     const int8_t* x = reinterpret_cast<const int8_t*>(xq.data());
     const int16_t* sums = sums16(xq, rows);
+#if defined(SPECDEC_AMX) && defined(__AVX512VNNI__)
+    if (rows >= kTileRowsFrom && use_tiles && tiles::available()) return multiply_tiles(x, sums, scales.data(), rows, out);
+#endif
     at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
       float part[kKRows * kBlock];
       for (int64_t g = first; g < last; ++g) {
@@ -1355,6 +1399,121 @@ struct KQuantLayer {
       }
     });
   }
+#if defined(SPECDEC_AMX) && defined(__AVX512VNNI__)
+  // From this many rows the tiles multiply (the 1.5B's layers: 5 rows 1.15x slower than the VNNI
+  // path, 9 alike, 16 0.89x, 33 0.71x, a 176-token prompt 0.58x).
+  static constexpr int64_t kTileRowsFrom = 12;
+
+  // The same sums through AMX's tiles. A super-block's integer sum ia = sum over its inputs of
+  // (a q) xq, a q being at most 14 bits, goes as two tile products, a q = 256 h + l: the low bytes
+  // l (unsigned) and the high bytes h (signed) of every weight times a, made once per super-block
+  // and group into B tiles (64 inputs each) and shared by all row tiles, which take the rows'
+  // xq as A (signed) in row tiles of 16, two at a time. ia = C_l + 256 C_h; ib and the float
+  // terms as in kquant_rows, in its order, so every row gets kquant_rows' bits. Rows past the
+  // last (a row tile's tail) read the buffer's padding and are dropped.
+  void multiply_tiles(const int8_t* x, const int16_t* sums, const float* scales, int64_t rows, float* out) const {
+    at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
+      tiles::configure();
+      std::vector<float> totals(rows * kBlock);
+      for (int64_t g = first; g < last; ++g) {
+        const uint8_t* w = packed + groups[3 * g];
+        if (groups[3 * g + 1] == kQ6K) {
+          tiles_group<kQ6K>(x, sums, scales, rows, w, totals.data());
+        } else {
+          tiles_group<kQ4K>(x, sums, scales, rows, w, totals.data());
+        }
+        const __m512 offset = bias ? _mm512_loadu_ps(bias + g * kBlock) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 total = _mm512_loadu_ps(totals.data() + r * kBlock);
+          _mm512_storeu_ps(out + r * n + g * kBlock, bias ? _mm512_add_ps(total, offset) : total);
+        }
+      }
+      tiles::release();
+    });
+  }
+
+  template <int Format>
+  void tiles_group(const int8_t* x, const int16_t* sums, const float* scales, int64_t rows, const uint8_t* w, float* totals) const {
+    constexpr int64_t kBytes = super_bytes<Format>();
+    constexpr int kChunks = kSuper / tiles::kBytes;  // B tiles of 64 inputs a super-block
+    alignas(64) uint8_t low[kChunks][tiles::kRows * tiles::kBytes], high[kChunks][tiles::kRows * tiles::kBytes];
+    alignas(64) int32_t c[4][tiles::kRows * kBlock];
+    const int64_t k = this->k(), row_tiles = (rows + tiles::kRows - 1) / tiles::kRows;
+    const __m512i low_bytes = _mm512_set1_epi16(0x00FF), high_bytes = _mm512_set1_epi16(static_cast<int16_t>(0xFF00));
+    // a of a channel in both int16 halves of its lane
+    const auto both_halves = [](__m512i a) { return _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(a, 16)); };
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const uint8_t* wb = w + sb * kBytes;
+      __m512i b[8];
+      for (int j = 0; j < 8; ++j) {
+        // the next super-block into L2, an eighth of its lines with each sub-block
+        constexpr int kLines = kBytes / 64;
+        for (int line = j * kLines / 8; line < (j == 7 ? kLines : (j + 1) * kLines / 8); ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(wb + kBytes + 64 * line), _MM_HINT_T1);
+        b[j] = kquant_b<Format>(wb, j);
+        __m512i q[8];
+        kquant_steps<Format>(wb, j, q);
+        const auto [a_low, a_high] = kquant_a<Format>(wb, j);
+        const __m512i a[2] = {both_halves(a_low), both_halves(a_high)};
+#pragma GCC unroll 8
+        for (int step = 0; step < 8; ++step) {
+          // the even and odd bytes of each lane as int16, times a (exact: |a q| < 2^14)
+          const __m512i even = _mm512_mullo_epi16(_mm512_and_si512(q[step], low_bytes), a[step / 4]);
+          const __m512i odd = _mm512_mullo_epi16(_mm512_srli_epi16(q[step], 8), a[step / 4]);
+          const int64_t at = ((j % 2) * 8 + step) * tiles::kBytes;  // the B tile's row: inputs 4 row..4 row + 3 of its 64
+          _mm512_store_si512(low[j / 2] + at, _mm512_or_si512(_mm512_and_si512(even, low_bytes), _mm512_slli_epi16(odd, 8)));
+          _mm512_store_si512(high[j / 2] + at, _mm512_or_si512(_mm512_srli_epi16(even, 8), _mm512_and_si512(odd, high_bytes)));
+        }
+      }
+      const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + factors_at<Format>() + 256);
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + 16)));
+      for (int64_t tile = 0; tile < row_tiles; tile += 2) {
+        const bool two = tile + 1 < row_tiles;
+        const int8_t* a0 = x + tile * tiles::kRows * k + sb * kSuper;
+        const int8_t* a1 = a0 + tiles::kRows * k;
+        tiles::zero<0>();
+        tiles::zero<1>();
+        if (two) {
+          tiles::zero<2>();
+          tiles::zero<3>();
+        }
+        for (int chunk = 0; chunk < kChunks; ++chunk) {
+          tiles::load<4>(a0 + chunk * tiles::kBytes, k);
+          tiles::load<5>(low[chunk]);
+          tiles::load<6>(high[chunk]);
+          tiles::dpbsud<0, 4, 5>();
+          tiles::dpbssd<1, 4, 6>();
+          if (two) {
+            tiles::load<7>(a1 + chunk * tiles::kBytes, k);
+            tiles::dpbsud<2, 7, 5>();
+            tiles::dpbssd<3, 7, 6>();
+          }
+        }
+        tiles::store<0>(c[0]);
+        tiles::store<1>(c[1]);
+        if (two) {
+          tiles::store<2>(c[2]);
+          tiles::store<3>(c[3]);
+        }
+        const int64_t end = std::min<int64_t>(rows, (tile + (two ? 2 : 1)) * tiles::kRows);
+        for (int64_t r = tile * tiles::kRows; r < end; ++r) {
+          const int64_t at = r - tile * tiles::kRows;  // 0-31: tiles 0, 1 (first row tile) or 2, 3
+          const int32_t* c_low = c[at / tiles::kRows * 2] + at % tiles::kRows * kBlock;
+          const int32_t* c_high = c[at / tiles::kRows * 2 + 1] + at % tiles::kRows * kBlock;
+          const __m512i ia = _mm512_add_epi32(_mm512_loadu_si512(c_low), _mm512_slli_epi32(_mm512_loadu_si512(c_high), 8));
+          const __m512 s = _mm512_set1_ps(scales[r * supers + sb]);
+          const __m512 before = sb == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(totals + r * kBlock);
+          const __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(dv, s), before);
+          __m512i ib = _mm512_setzero_si512();
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) ib = _mm512_dpwssd_epi32(ib, b[j], _mm512_set1_epi32(load4(sums + r * (k / 16) + sb * 16 + j * 2)));
+          _mm512_storeu_ps(totals + r * kBlock, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(mv, s), total));
+        }
+      }
+    }
+  }
+#endif
 };
 
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor groups, c10::optional<torch::Tensor> bias, int64_t n) {
@@ -2213,8 +2372,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("block_linear", &block_linear, unlocked);
   module.def("kquant_linear", &kquant_linear, unlocked);
   module.def("native_decoder_layer", &native_decoder_layer, unlocked);
-  // Whether the int8 layers multiply through AMX's tiles (emulated in a SPECDEC_EMULATE_AMX
-  // build); `enabled` switches them on or off where they exist.
+  // Whether the int8 and K-quant layers multiply through AMX's tiles (emulated in a
+  // SPECDEC_EMULATE_AMX build); `enabled` switches them on or off where they exist.
   module.def("tiles", [](c10::optional<bool> enabled) {
 #if defined(SPECDEC_AMX)
     if (enabled) use_tiles = *enabled;
