@@ -78,7 +78,7 @@ def test_native_kernel_sums_what_the_torch_ops_sum_and_each_row_alone():
     reference = fused._torch_forward(x)
     assert torch.allclose(native, reference, rtol=1e-5, atol=1e-4 * reference.abs().max().item())
     # row groups of every size the vector path makes; with AMX, one, two and three row tiles
-    for rows in (1, 2, 3, 4, 5, 9, 11, 12, 16, 17, 32, 33):
+    for rows in (1, 2, 3, 4, 5, 9, 15, 16, 17, 32, 33):
         assert torch.equal(fused(x[:rows]), native[:rows]), rows
     assert torch.equal(torch.cat([fused(x[i : i + 1]) for i in range(len(x))]), native)
     # the weights the sums stand for: dequantized blocks times the activations, to quantization error

@@ -11,7 +11,7 @@
 // Paths by instruction set, chosen at compile time (-march) inside each kernel: scalar (the
 // reference), AVX2, AVX-512 (quantizers, attention, epilogues) with VNNI (the int8, block and
 // K-quant dot products), and AMX's tiles for int8 passes of 4 or more rows and K-quant passes of
-// 12 or more (`tiles` below, used where the kernel grants the process tile state). Every path gives the same bits; a CPU without
+// 16 or more (`tiles` below, used where the kernel grants the process tile state). Every path gives the same bits; a CPU without
 // one still builds and tests it: -DSPECDEC_SIMDE emulates AVX-512 VNNI through SIMDe's headers,
 // -DSPECDEC_EMULATE_AMX the tiles in plain C++ (kernels/__init__.py build(emulate=...)).
 #include <torch/extension.h>
@@ -1400,9 +1400,9 @@ struct KQuantLayer {
     });
   }
 #if defined(SPECDEC_AMX) && defined(__AVX512VNNI__)
-  // From this many rows the tiles multiply (the 1.5B's layers: 5 rows 1.15x slower than the VNNI
-  // path, 9 alike, 16 0.89x, 33 0.71x, a 176-token prompt 0.58x).
-  static constexpr int64_t kTileRowsFrom = 12;
+  // From a whole row tile the tiles multiply (the 1.5B's passes against the VNNI path: 5 rows
+  // 1.15x, 9 1.0x, 12 0.98-1.03x, 16 0.89-0.93x, 33 0.71x, a 176-token prompt 0.58x).
+  static constexpr int64_t kTileRowsFrom = 16;
 
   // The same sums through AMX's tiles. A super-block's integer sum ia = sum over its inputs of
   // (a q) xq, a q being at most 14 bits, goes as two tile products, a q = 256 h + l: the low bytes
