@@ -1412,6 +1412,9 @@ struct KQuantLayer {
   // terms as in kquant_rows, in its order, so every row gets kquant_rows' bits. Rows past the
   // last (a row tile's tail) read the buffer's padding and are dropped.
   void multiply_tiles(const int8_t* x, const int16_t* sums, const float* scales, int64_t rows, float* out) const {
+    // each row's sums of 32 xq (Q4_K's b is one factor per 32 inputs: half the vpdpwssd of 16s)
+    std::vector<int16_t> sums32(rows * k() / 32);
+    for (size_t i = 0; i < sums32.size(); ++i) sums32[i] = static_cast<int16_t>(sums[2 * i] + sums[2 * i + 1]);
     at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
       tiles::configure();
       std::vector<float> totals(rows * kBlock);
@@ -1420,7 +1423,7 @@ struct KQuantLayer {
         if (groups[3 * g + 1] == kQ6K) {
           tiles_group<kQ6K>(x, sums, scales, rows, w, totals.data());
         } else {
-          tiles_group<kQ4K>(x, sums, scales, rows, w, totals.data());
+          tiles_group<kQ4K>(x, sums32.data(), scales, rows, w, totals.data());
         }
         const __m512 offset = bias ? _mm512_loadu_ps(bias + g * kBlock) : _mm512_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) {
@@ -1433,6 +1436,7 @@ struct KQuantLayer {
   }
 
   template <int Format>
+  // `sums`: each row's sums of 16 xq (Q6_K) or of 32 (Q4_K)
   void tiles_group(const int8_t* x, const int16_t* sums, const float* scales, int64_t rows, const uint8_t* w, float* totals) const {
     constexpr int64_t kBytes = super_bytes<Format>();
     constexpr int kChunks = kSuper / tiles::kBytes;  // B tiles of 64 inputs a super-block
@@ -1444,13 +1448,23 @@ struct KQuantLayer {
     const auto both_halves = [](__m512i a) { return _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(a, 16)); };
     for (int64_t sb = 0; sb < supers; ++sb) {
       const uint8_t* wb = w + sb * kBytes;
-      __m512i b[8];
+      // ib's factors against a row's pairs of sums: Q6_K the two halves' a of each sub-block; Q4_K
+      // the b of two sub-blocks
+      constexpr int kPairs = Format == kQ6K ? 8 : 4;
+      __m512i b[kPairs];
       for (int j = 0; j < 8; ++j) {
         // the next super-block into L2, an eighth of its lines with each sub-block
         constexpr int kLines = kBytes / 64;
         for (int line = j * kLines / 8; line < (j == 7 ? kLines : (j + 1) * kLines / 8); ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wb + kBytes + 64 * line), _MM_HINT_T1);
-        b[j] = kquant_b<Format>(wb, j);
+        if constexpr (Format == kQ6K) {
+          b[j] = kquant_b<kQ6K>(wb, j);
+        } else if (j % 2 == 0) {
+          const int8_t* factors = reinterpret_cast<const int8_t*>(wb + factors_at<kQ4K>() + j * 32 + 16);
+          const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors));
+          const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors + 32));
+          b[j / 2] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(first, second), _mm_unpacklo_epi8(first, second)));
+        }
         __m512i q[8];
         kquant_steps<Format>(wb, j, q);
         const auto [a_low, a_high] = kquant_a<Format>(wb, j);
@@ -1506,8 +1520,9 @@ struct KQuantLayer {
           const __m512 before = sb == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(totals + r * kBlock);
           const __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(dv, s), before);
           __m512i ib = _mm512_setzero_si512();
+          const int16_t* row_sums = sums + (r * supers + sb) * 2 * kPairs;
 #pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) ib = _mm512_dpwssd_epi32(ib, b[j], _mm512_set1_epi32(load4(sums + r * (k / 16) + sb * 16 + j * 2)));
+          for (int j = 0; j < kPairs; ++j) ib = _mm512_dpwssd_epi32(ib, b[j], _mm512_set1_epi32(load4(row_sums + 2 * j)));
           _mm512_storeu_ps(totals + r * kBlock, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(mv, s), total));
         }
       }
