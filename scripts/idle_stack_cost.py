@@ -71,6 +71,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--out", default="runs/idle_stack_cost.json")
     args = parser.parse_args()
+    from specdec.core.ngram import is_model_free
+    from specdec.serving.config import load_config
+
+    drafter = load_config(args.config).drafter.model.source
+    if is_model_free(drafter):
+        raise SystemExit(f"{args.config}: its drafter ({drafter}) runs no model; name a config whose drafter is one")
     found = subprocess.run(["pgrep", "-f", RAY_PROCESSES], capture_output=True, text=True).stdout.split()
     pids = [int(p) for p in found if int(p) != os.getpid()]
     if not pids:

@@ -11,8 +11,8 @@
 // Paths by instruction set, chosen at compile time (-march) inside each kernel: scalar (the
 // reference), AVX2, AVX-512 (quantizers, attention, epilogues) with VNNI (the int8, block and
 // K-quant dot products), and AMX's tiles for int8 passes of 4 or more rows and K-quant passes of
-// 16 or more (`tiles` below, used where the kernel grants the process tile state). Every path gives the same bits; a CPU without
-// one still builds and tests it: -DSPECDEC_SIMDE emulates AVX-512 VNNI through SIMDe's headers,
+// 16 or more (`tiles` below, used where the kernel grants the process tile state). Every path
+// gives the same bits; a CPU without one still builds and tests it: -DSPECDEC_SIMDE emulates AVX-512 VNNI through SIMDe's headers,
 // -DSPECDEC_EMULATE_AMX the tiles in plain C++ (kernels/__init__.py build(emulate=...)).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -1078,6 +1078,15 @@ void quantize_super(const float* x, int64_t k, int8_t* xq, float* scales, int16_
 }
 
 #if defined(__AVX512VNNI__)
+// The eighth of a K-quant super-block's lines that goes with sub-block j, asked for into L2 (all
+// asked at once, they queued behind each other: a step and a 9-row pass cost 8-12% more).
+template <int64_t Bytes>
+inline void prefetch_part(const uint8_t* super_block, int j) {
+  constexpr int kLines = Bytes / 64;
+  for (int line = j * kLines / 8; line < (j == 7 ? kLines : (j + 1) * kLines / 8); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(super_block + 64 * line), _MM_HINT_T1);
+}
+
 // Sub-block j (32 inputs) of super-block `wb`, unpacked: step s holds q of inputs 4s..4s+3 of
 // the sub-block for the 16 channels, one byte each (Q6_K: with its two high bits).
 template <int Format>
@@ -1125,6 +1134,15 @@ inline __m512i kquant_b(const uint8_t* wb, int j) {
   const __m128i b16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors + 16));
   return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(b16, b16), _mm_unpacklo_epi8(b16, b16)));
 }
+
+// Q4_K's factors b of sub-blocks 2p and 2p + 1 of each channel as an int16 pair, for vpdpwssd
+// with a row's sums of those sub-blocks' 32 xq each.
+inline __m512i q4k_b_pair(const uint8_t* wb, int p) {
+  const int8_t* factors = reinterpret_cast<const int8_t*>(wb + factors_at<kQ4K>() + 2 * p * 32 + 16);
+  const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors));
+  const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors + 32));
+  return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(first, second), _mm_unpacklo_epi8(first, second)));
+}
 #endif
 
 // out[r][c] for `rows` rows (at most kKRows) and the 16 channels of one group: super-blocks in
@@ -1149,11 +1167,7 @@ void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sum
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      // the super-block 16 ahead streams into L2, an eighth of its lines with each sub-block: all
-      // asked at once, they queued behind each other (a step and a 9-row pass cost 8-12% more)
-      constexpr int kLines = kBytes / 64;
-      for (int line = j * kLines / 8; line < (j == 7 ? kLines : (j + 1) * kLines / 8); ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + 16 * kBytes + 64 * line), _MM_HINT_T1);
+      prefetch_part<kBytes>(wb + 16 * kBytes, j);  // the super-block 16 ahead
       const int64_t at = sb * kSuper + j * 32;  // this sub-block's first input
       __m512i q[8];  // step s: inputs 4s..4s+3 of the sub-block
       kquant_steps<Format>(wb, j, q);
@@ -1435,8 +1449,8 @@ struct KQuantLayer {
     });
   }
 
-  template <int Format>
   // `sums`: each row's sums of 16 xq (Q6_K) or of 32 (Q4_K)
+  template <int Format>
   void tiles_group(const int8_t* x, const int16_t* sums, const float* scales, int64_t rows, const uint8_t* w, float* totals) const {
     constexpr int64_t kBytes = super_bytes<Format>();
     constexpr int kChunks = kSuper / tiles::kBytes;  // B tiles of 64 inputs a super-block
@@ -1453,17 +1467,11 @@ struct KQuantLayer {
       constexpr int kPairs = Format == kQ6K ? 8 : 4;
       __m512i b[kPairs];
       for (int j = 0; j < 8; ++j) {
-        // the next super-block into L2, an eighth of its lines with each sub-block
-        constexpr int kLines = kBytes / 64;
-        for (int line = j * kLines / 8; line < (j == 7 ? kLines : (j + 1) * kLines / 8); ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(wb + kBytes + 64 * line), _MM_HINT_T1);
+        prefetch_part<kBytes>(wb + kBytes, j);  // the next super-block
         if constexpr (Format == kQ6K) {
           b[j] = kquant_b<kQ6K>(wb, j);
         } else if (j % 2 == 0) {
-          const int8_t* factors = reinterpret_cast<const int8_t*>(wb + factors_at<kQ4K>() + j * 32 + 16);
-          const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors));
-          const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors + 32));
-          b[j / 2] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(first, second), _mm_unpacklo_epi8(first, second)));
+          b[j / 2] = q4k_b_pair(wb, j / 2);
         }
         __m512i q[8];
         kquant_steps<Format>(wb, j, q);
