@@ -804,8 +804,9 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
     const uint8_t* wb = w + b * kBytes;
     const c10::Half* d = reinterpret_cast<const c10::Half*>(wb + weight_bytes(Bits));
     const c10::Half* m = d + kBlock;
+    // 32 blocks ahead into L2 (9-18 KB): 4 ahead into L1 left one row's stream at ~12 GB/s a core
 #pragma GCC unroll 9
-    for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kBytes + 64 * line), _MM_HINT_T0);
+    for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 32 * kBytes + 64 * line), _MM_HINT_T1);
     __m512i steps[8];  // step i: inputs 4i..4i+3 of the block for the 16 channels, one byte each
     if constexpr (Bits == 4) {
 #pragma GCC unroll 4
