@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import statistics
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +48,10 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"  # dtype auto: the fastest exact format on this machine's CPU (load_model)
 AUTO_CONTEXT = 64  # committed tokens before the timed passes
-AUTO_TOKENS = (1, 9)  # the verifier alone's step, and a speculating round's pass (8 drafted + 1)
+# The passes of a reference request, by new tokens: its 128-token prompt once, then 8 steps of
+# the verifier alone and 8 speculating rounds' passes (8 drafted + 1). A drafter pays the same
+# prompt in its first round, before any draft.
+AUTO_PASSES = {1: 8, 9: 8, 128: 1}
 AUTO_REPEATS = 5
 # dtype auto keeps the first candidate (a GGUF's own blocks) unless another is this much faster: a
 # near tie must not flip between machines of one CPU model (greedy text follows the weights).
@@ -79,6 +84,34 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     return load_tokenizer_of(source)
 
 
+_turn = threading.local()  # this thread's hold on the machine's turn (machine_turn), and its depth
+
+
+@contextmanager
+def machine_turn(exclusive: bool):
+    """A turn at the lock beside the kept format choices, one per machine: dtype auto measures
+    holding it alone, and every other model load holds it shared, so that no measurement runs
+    beside another process's load (an int8 verifier's calibration keeps both cores busy: a drafter
+    measured beside one timed 98 and 338 ms a step for ~20, and kept the wrong format for good).
+    Nested turns (a measurement loading its candidates) take nothing more."""
+    if getattr(_turn, "depth", 0):
+        _turn.depth += 1
+        try:
+            yield
+        finally:
+            _turn.depth -= 1
+        return
+    lock = cache_dir() / "formats" / "measuring.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        _turn.depth = 1
+        try:
+            yield
+        finally:
+            _turn.depth = 0
+
+
 def load_model(spec: ModelSpec) -> torch.nn.Module:
     """The model in eval mode, with logits over the whole vocabulary (a distilled drafter with a
     reduced draft vocabulary gives -inf outside it), its weights in the format `spec.dtype`
@@ -86,6 +119,11 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     `weight_format`."""
     if spec.dtype == AUTO:
         return _load_fastest(spec)
+    with machine_turn(exclusive=False):
+        return _load(spec)
+
+
+def _load(spec: ModelSpec) -> torch.nn.Module:
     if spec.dtype in BLOCK_FORMATS and not spec.requantize:
         _check_block_format(spec)
     gguf = _gguf_path(spec) if spec.dtype == "gguf" else None
@@ -137,7 +175,7 @@ def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
     kernels = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest() if native() is not None else "torch ops"
     key = {
         "cpu": name, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest(), "source": spec.source, "layers": spec.layers,
-        "candidates": candidates, "kernels": kernels, "threads": torch.get_num_threads(),
+        "candidates": candidates, "kernels": kernels, "threads": torch.get_num_threads(), "passes": AUTO_PASSES,
     } | ({"draft_vocab": spec.draft_vocab} if spec.draft_vocab else {})
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "formats" / f"{digest}.json"
@@ -145,19 +183,15 @@ def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
 
 def _load_fastest(spec: ModelSpec) -> torch.nn.Module:
     """dtype auto: the model in the fastest of its exact formats (`exact_formats`) on this CPU.
-    Each candidate is loaded and its engine times a pass of 1 and of 9 new tokens after a
+    Each candidate is loaded and its engine times passes of 1, 9 and 128 new tokens after a
     64-token context (interleaved, medians of 5 repetitions); the rule (`choose_format`): the
-    smallest T(1) + T(9) wins, the verifier alone's step and a speculating round's pass weighted
-    equally, by at least 5% against the GGUF's own blocks. The choice
-    and its times are kept as JSON (`format_choice_path`), so later starts load the winner alone.
-    One process measures at a time on a machine (a verifier and a drafter starting together would
-    slow each other's passes)."""
+    smallest cost of a reference request (AUTO_PASSES: a prompt, steps alone, speculating rounds)
+    wins, by at least 5% against the GGUF's own blocks. The choice and its times are kept as JSON
+    (`format_choice_path`), so later starts load the winner alone. A measurement runs while no
+    other process on the machine measures or loads a model (`machine_turn`)."""
     choice = _known_choice(spec)
     if choice is None:
-        lock = cache_dir() / "formats" / "measuring.lock"
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock, "w") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
+        with machine_turn(exclusive=True):
             choice = _known_choice(spec)  # another process may have measured it while this one waited
             if choice is None:
                 return _measure_fastest(spec)
@@ -171,8 +205,8 @@ def _measure_fastest(spec: ModelSpec) -> torch.nn.Module:
     models = {c: load_model(dataclasses.replace(spec, dtype=c)) for c in candidates}
     vocab = next(iter(models.values())).config.vocab_size
     context = [(7 + 31 * i) % vocab for i in range(AUTO_CONTEXT)]
-    times = pass_times({c: (engine_for(m, c), list(AUTO_TOKENS)) for c, m in models.items()}, context, AUTO_REPEATS)
-    times_ms = {c: {f"T({k})": round(statistics.median(times[c, k]), 3) for k in AUTO_TOKENS} for c in candidates}
+    times = pass_times({c: (engine_for(m, c), list(AUTO_PASSES)) for c, m in models.items()}, context, AUTO_REPEATS)
+    times_ms = {c: {f"T({k})": round(statistics.median(times[c, k]), 3) for k in AUTO_PASSES} for c in candidates}
     choice = choose_format(times_ms)
     staging = path.with_name(path.name + f".tmp{os.getpid()}")
     staging.write_text(json.dumps({"source": spec.source, "choice": choice, "times_ms": times_ms, "cpu": cpu_identity()[0]}))
@@ -185,9 +219,10 @@ def _measure_fastest(spec: ModelSpec) -> torch.nn.Module:
 
 
 def choose_format(times_ms: dict[str, dict[str, float]]) -> str:
-    """The rule: the candidate (in `exact_formats` order) with the smallest T(1) + T(9), except that
-    the first is kept unless the fastest beats it by AUTO_MARGIN."""
-    total = {c: sum(t.values()) for c, t in times_ms.items()}
+    """The rule: the candidate (in `exact_formats` order) whose reference request costs least (each
+    pass T(k) as often as AUTO_PASSES says), except that the first is kept unless the fastest beats
+    it by AUTO_MARGIN."""
+    total = {c: sum(n * t[f"T({k})"] for k, n in AUTO_PASSES.items()) for c, t in times_ms.items()}
     first, fastest = next(iter(total)), min(total, key=total.get)
     return fastest if total[fastest] < (1 - AUTO_MARGIN) * total[first] else first
 
