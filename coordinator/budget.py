@@ -12,8 +12,11 @@ goodput of all of them. Idle (N = 1) this is the plain latency model; under load
 the extra rows makes speculation give way to the verifier alone.
 
 All inputs are exponential moving averages of what the rounds measured:
-- acceptance: for chains, the profile P(accepted >= d) per depth d, so a chain of 8 also
-  teaches what a chain of 2 would accept; for trees, accepted tokens per plan;
+- acceptance: for chains, the rate each depth d keeps of the rounds that reached it,
+  P(accepted >= d | accepted >= d - 1), learned from every chain that drafted that deep, so a
+  chain of 8 also teaches what a chain of 2 would accept, and a round stopped at depth 1 says
+  nothing of depth 5 (counted as P(accepted >= d), one chain-8 round that kept nothing on fresh
+  text sank depths 2-8 for a benchmark's hundred rounds); for trees, accepted tokens per plan;
 - T_draft per plan;
 - T_pass by the rows of a pass (all sessions' tokens fed), piecewise linear over what was
   measured, learned from the verifier alone's rounds: their passes hold one row per session;
@@ -188,7 +191,7 @@ class BudgetController:
         self.plans = list(plans)
         self.fused_block = fused_block
         self.revisit_every = revisit_every
-        self.reach: dict[int, Ema] = {}  # chains: depth d -> P(accepted >= d)
+        self.kept_at: dict[int, Ema] = {}  # chains: depth d -> P(accepted >= d | accepted >= d - 1)
         self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}
         self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
         self.pass_ms = PassCost(self.COMPUTE_DECAY)  # by the rows of the pass, all sessions'
@@ -209,10 +212,9 @@ class BudgetController:
     def expected_accepted(self, plan: Plan) -> float:
         """Acceptance estimates start optimistic, so that a plan is not written off on one
         unlucky round, but only as far as the measurements allow: the first chain depth
-        starts at 'always accepted'; a deeper one at the rate the depth before it kept
-        (reach[d-1] / reach[d-2]), so the rarely measured depths of a long chain do not
-        look perfect; a tree starts at twice what the best chain is expected to accept
-        (at most a quarter of its nodes, at least 1)."""
+        starts at 'always accepted'; a deeper one at the rate the depth before it keeps, so the
+        rarely reached depths of a long chain do not look perfect; a tree starts at twice what
+        the best chain is expected to accept (at most a quarter of its nodes, at least 1)."""
         if plan not in self._accepted:
             self._accepted[plan] = self._expected_accepted(plan)
         return self._accepted[plan]
@@ -222,11 +224,10 @@ class BudgetController:
             chains = [self.expected_accepted(p) for p in self.plans if p.profiled and p.budget]
             prior = max(1.0, min(plan.budget / 4, 2 * max(chains))) if chains else max(plan.budget / 4, 1.0)
             return self.tree_accepted[plan].value_with(prior, self.PRIOR_WEIGHT)
-        total, reach, previous = 0.0, 1.0, 1.0
+        total, reach, rate = 0.0, 1.0, 1.0
         for d in range(1, plan.budget + 1):
-            prior = 1.0 if d == 1 else (reach * reach / previous if previous else 0.0)
-            measured = self.reach[d].value_with(prior, self.PRIOR_WEIGHT) if d in self.reach else prior
-            previous, reach = reach, min(reach, measured)
+            rate = self.kept_at[d].value_with(rate, self.PRIOR_WEIGHT) if d in self.kept_at else rate
+            reach *= rate
             total += reach
         return total
 
@@ -337,8 +338,8 @@ class BudgetController:
             return
         self._accepted.clear()
         if plan.profiled:
-            for d in range(1, report.depth + 1):
-                self.reach.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
+            for d in range(1, min(report.depth, report.accepted + 1) + 1):  # the depths the round reached
+                self.kept_at.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
         else:
             self.tree_accepted[plan].add(report.accepted)
 

@@ -208,7 +208,7 @@ def test_rounds_that_read_a_prompt_teach_acceptance_but_not_cost():
                          draft_wire_ms=0.0, verify_wire_ms=0.0, opened=True)
     before = controller.draft_ms[Plan(4)].value
     controller.observe(opened)
-    assert controller.draft_ms[Plan(4)].value == before and controller.reach[4].value > 0
+    assert controller.draft_ms[Plan(4)].value == before and controller.kept_at[4].value > 0
 
 
 def test_chains_share_one_acceptance_profile():
@@ -407,11 +407,11 @@ def test_no_request_waits_on_the_controller_while_another_holds_it():
     settle(controller, world)
     best, rounds = controller._best_at(1), controller.round
     report = world.round(Plan(4))
-    before = controller.reach[4].weights
+    before = controller.kept_at[1].weights  # every chain round reaches depth 1
     with controller._lock:  # another request's bookkeeping, under way
         assert all(controller.choose() == best for _ in range(1000))
         controller.observe(report)
-        assert controller.reach[4].weights == before
+        assert controller.kept_at[1].weights == before
         load[0] = 32
         waiting = threading.Thread(target=controller.choose)
         waiting.start()
@@ -419,4 +419,22 @@ def test_no_request_waits_on_the_controller_while_another_holds_it():
         assert waiting.is_alive()
     waiting.join(timeout=60)  # a hang guard: it goes on as soon as the lock is free
     assert not waiting.is_alive() and controller.round == rounds + 1
-    assert controller.reach[4].weights > before and controller._best_at(32) is not None
+    assert controller.kept_at[1].weights > before and controller._best_at(32) is not None
+
+
+
+def test_a_round_stopped_early_says_nothing_of_the_depths_it_never_reached():
+    """Chains learn each depth's rate from the rounds that reached it: one chain-8 round that
+    kept nothing after twenty chain-4 rounds that kept everything leaves chain-8 looking like
+    the long chain it is (counted as P(accepted >= d), it had sunk chain-8 to 4.7 tokens
+    expected, and on fresh completions such a round priced chain-8 out for a benchmark's hundred
+    rounds)."""
+    controller = BudgetController(PLANS, FUSED_BLOCK)
+    for _ in range(20):
+        controller.observe(RoundReport(plan=Plan(4), accepted=4, depth=4, verified_tokens=5, draft_ms=16.0, verify_ms=60.0,
+                                       draft_wire_ms=1.0, verify_wire_ms=1.0))
+    controller.observe(RoundReport(plan=Plan(8), accepted=0, depth=8, verified_tokens=9, draft_ms=32.0, verify_ms=62.0,
+                                   draft_wire_ms=1.0, verify_wire_ms=1.0))
+    assert controller.kept_at[1].weights > controller.kept_at[2].weights and 5 not in controller.kept_at
+    assert controller.expected_accepted(Plan(8)) > 7.0
+    assert controller.expected_accepted(Plan(4)) == pytest.approx(controller.expected_accepted(Plan(8)) / 2, rel=0.1)
