@@ -48,10 +48,7 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"  # dtype auto: the fastest exact format on this machine's CPU (load_model)
 AUTO_CONTEXT = 64  # committed tokens before the timed passes
-# The passes of a reference request, by new tokens: its 128-token prompt once, then 8 steps of
-# the verifier alone and 8 speculating rounds' passes (8 drafted + 1). A drafter pays the same
-# prompt in its first round, before any draft.
-AUTO_PASSES = {1: 8, 9: 8, 128: 1}
+AUTO_TOKENS = (1, 9)  # the verifier alone's step, and a speculating round's pass (8 drafted + 1)
 AUTO_REPEATS = 5
 # dtype auto keeps the first candidate (a GGUF's own blocks) unless another is this much faster: a
 # near tie must not flip between machines of one CPU model (greedy text follows the weights).
@@ -175,7 +172,7 @@ def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
     kernels = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest() if native() is not None else "torch ops"
     key = {
         "cpu": name, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest(), "source": spec.source, "layers": spec.layers,
-        "candidates": candidates, "kernels": kernels, "threads": torch.get_num_threads(), "passes": AUTO_PASSES,
+        "candidates": candidates, "kernels": kernels, "threads": torch.get_num_threads(),
     } | ({"draft_vocab": spec.draft_vocab} if spec.draft_vocab else {})
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "formats" / f"{digest}.json"
@@ -183,12 +180,13 @@ def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
 
 def _load_fastest(spec: ModelSpec) -> torch.nn.Module:
     """dtype auto: the model in the fastest of its exact formats (`exact_formats`) on this CPU.
-    Each candidate is loaded and its engine times passes of 1, 9 and 128 new tokens after a
+    Each candidate is loaded and its engine times a pass of 1 and of 9 new tokens after a
     64-token context (interleaved, medians of 5 repetitions); the rule (`choose_format`): the
-    smallest cost of a reference request (AUTO_PASSES: a prompt, steps alone, speculating rounds)
-    wins, by at least 5% against the GGUF's own blocks. The choice and its times are kept as JSON
-    (`format_choice_path`), so later starts load the winner alone. A measurement runs while no
-    other process on the machine measures or loads a model (`machine_turn`)."""
+    smallest T(1) + T(9) wins, the verifier alone's step and a speculating round's pass weighted
+    equally, by at least 5% against the GGUF's own blocks. The choice
+    and its times are kept as JSON (`format_choice_path`), so later starts load the winner alone.
+    A measurement runs while no other process on the machine measures or loads a model
+    (`machine_turn`)."""
     choice = _known_choice(spec)
     if choice is None:
         with machine_turn(exclusive=True):
@@ -205,8 +203,8 @@ def _measure_fastest(spec: ModelSpec) -> torch.nn.Module:
     models = {c: load_model(dataclasses.replace(spec, dtype=c)) for c in candidates}
     vocab = next(iter(models.values())).config.vocab_size
     context = [(7 + 31 * i) % vocab for i in range(AUTO_CONTEXT)]
-    times = pass_times({c: (engine_for(m, c), list(AUTO_PASSES)) for c, m in models.items()}, context, AUTO_REPEATS)
-    times_ms = {c: {f"T({k})": round(statistics.median(times[c, k]), 3) for k in AUTO_PASSES} for c in candidates}
+    times = pass_times({c: (engine_for(m, c), list(AUTO_TOKENS)) for c, m in models.items()}, context, AUTO_REPEATS)
+    times_ms = {c: {f"T({k})": round(statistics.median(times[c, k]), 3) for k in AUTO_TOKENS} for c in candidates}
     choice = choose_format(times_ms)
     staging = path.with_name(path.name + f".tmp{os.getpid()}")
     staging.write_text(json.dumps({"source": spec.source, "choice": choice, "times_ms": times_ms, "cpu": cpu_identity()[0]}))
@@ -219,10 +217,9 @@ def _measure_fastest(spec: ModelSpec) -> torch.nn.Module:
 
 
 def choose_format(times_ms: dict[str, dict[str, float]]) -> str:
-    """The rule: the candidate (in `exact_formats` order) whose reference request costs least (each
-    pass T(k) as often as AUTO_PASSES says), except that the first is kept unless the fastest beats
-    it by AUTO_MARGIN."""
-    total = {c: sum(n * t[f"T({k})"] for k, n in AUTO_PASSES.items()) for c, t in times_ms.items()}
+    """The rule: the candidate (in `exact_formats` order) with the smallest T(1) + T(9), except that
+    the first is kept unless the fastest beats it by AUTO_MARGIN."""
+    total = {c: sum(t.values()) for c, t in times_ms.items()}
     first, fastest = next(iter(total)), min(total, key=total.get)
     return fastest if total[fastest] < (1 - AUTO_MARGIN) * total[first] else first
 
