@@ -164,7 +164,9 @@ def test_no_measurement_runs_beside_a_load(gguf_source, monkeypatch, tmp_path):
     measurement."""
     spec = ModelSpec(gguf_source, dtype="auto")
     measured = []
-    monkeypatch.setattr(models, "_measure_fastest", lambda spec: measured.append(spec) or load_model(dataclasses.replace(spec, dtype="int8")))
+    monkeypatch.setattr(
+        models, "_measure_fastest", lambda spec: measured.append(spec) or load_model(dataclasses.replace(spec, dtype="int8"))
+    )
     lock = tmp_path / "formats" / "measuring.lock"
     lock.parent.mkdir()
     with open(lock, "w") as held:
