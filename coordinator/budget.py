@@ -15,8 +15,9 @@ All inputs are exponential moving averages of what the rounds measured:
 - acceptance: for chains, the rate each depth d keeps of the rounds that reached it,
   P(accepted >= d | accepted >= d - 1), learned from every chain that drafted that deep, so a
   chain of 8 also teaches what a chain of 2 would accept, and a round stopped at depth 1 says
-  nothing of depth 5 (counted as P(accepted >= d), one chain-8 round that kept nothing on fresh
-  text sank depths 2-8 for a benchmark's hundred rounds); for trees, accepted tokens per plan;
+  nothing of depth 5 (counted as P(accepted >= d), a round that kept nothing was a miss at every
+  depth: one early chain-8 round on fresh text priced chain-8 below rsd-s-16 for a benchmark's
+  hundred rounds); for trees, accepted tokens per plan;
 - T_draft per plan;
 - T_pass by the rows of a pass (all sessions' tokens fed), piecewise linear over what was
   measured, learned from the verifier alone's rounds: their passes hold one row per session;
