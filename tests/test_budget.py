@@ -422,7 +422,6 @@ def test_no_request_waits_on_the_controller_while_another_holds_it():
     assert controller.kept_at[1].weights > before and controller._best_at(32) is not None
 
 
-
 def test_a_round_stopped_early_says_nothing_of_the_depths_it_never_reached():
     """Chains learn each depth's rate from the rounds that reached it: one chain-8 round that
     kept nothing after twenty chain-4 rounds that kept everything leaves chain-8 looking like

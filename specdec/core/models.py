@@ -88,9 +88,9 @@ _turn = threading.local()  # this thread's hold on the machine's turn (machine_t
 def machine_turn(exclusive: bool):
     """A turn at the lock beside the kept format choices, one per machine: dtype auto measures
     holding it alone, and every other model load holds it shared, so that no measurement runs
-    beside another process's load (an int8 verifier's calibration keeps both cores busy: a drafter
-    measured beside one timed 98 and 338 ms a step for ~20, and kept the wrong format for good).
-    Nested turns (a measurement loading its candidates) take nothing more."""
+    beside another process's load (an int8 verifier's calibration keeps both cores busy, and a
+    choice made beside it is kept for good). Nested turns (a measurement loading its candidates)
+    take nothing more."""
     if getattr(_turn, "depth", 0):
         _turn.depth += 1
         try:

@@ -12,8 +12,9 @@
 // reference), AVX2, AVX-512 (quantizers, attention, epilogues) with VNNI (the int8, block and
 // K-quant dot products), and AMX's tiles for int8 passes of 4 or more rows and K-quant passes of
 // 16 or more (`tiles` below, used where the kernel grants the process tile state). Every path
-// gives the same bits; a CPU without one still builds and tests it: -DSPECDEC_SIMDE emulates AVX-512 VNNI through SIMDe's headers,
-// -DSPECDEC_EMULATE_AMX the tiles in plain C++ (kernels/__init__.py build(emulate=...)).
+// gives the same bits; a CPU without one still builds and tests it: -DSPECDEC_SIMDE emulates
+// AVX-512 VNNI through SIMDe's headers, -DSPECDEC_EMULATE_AMX the tiles in plain C++
+// (kernels/__init__.py build(emulate=...)).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
