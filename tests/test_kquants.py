@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 from specdec.core.blocks import BLOCK_FORMATS, FILE_BLOCK_TYPES, BlockLinear, dequantize_blocks, file_blocks
 from specdec.core.engine import ForwardCall, LlamaEngine
+from specdec.core.gguf_file import gguf_tensors
 from specdec.core.hub import load_model_weights_only
 from specdec.core.int8 import Int8Linear
 from specdec.core.kernels import KERNEL_SOURCE, _cpu_flags, build
@@ -240,6 +241,44 @@ def test_a_gguf_files_blocks_replace_the_models_linears(kquant_model_dir, tmp_pa
     load_gguf_linears(split, tmp_path / "split.gguf")
     with pytest.raises(ValueError, match=r"different kinds \(BlockLinear, KQuantLinear\) cannot be fused"):
         LlamaEngine(split)
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_gguf_tensors_find_what_the_gguf_package_reads(tmp_path, alignment):
+    """Stepping over the metadata (strings, arrays of strings and of numbers, an alignment of
+    the file's own) finds every tensor where the gguf package's reader does, with its format,
+    its shape rows first and its bytes."""
+    path = tmp_path / "model.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    if alignment:
+        writer.add_custom_alignment(alignment)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bé", "", "\u0120token"] * 50)
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
+    writer.add_string("general.name", "tiny")
+    writer.add_bool("general.flag", True)
+    writer.add_float64("general.weight", 1.5)
+    tensors = {"blk.0.attn_q.weight": raw_blocks("Q4_K", 32, 512, seed=1), "blk.0.ffn_down.weight": raw_blocks("Q8_0", 16, 64, seed=2)}
+    for name, raw in tensors.items():
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=getattr(GGMLQuantizationType, "Q4_K" if "attn" in name else "Q8_0"))
+    writer.add_tensor("output_norm.weight", np.arange(96, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    found = gguf_tensors(path)
+    read = GGUFReader(str(path)).tensors
+    assert list(found) == [t.name for t in read]
+    for tensor in read:
+        ours = found[tensor.name]
+        assert ours.kind == tensor.tensor_type.name
+        assert ours.shape == tuple(int(n) for n in reversed(tensor.shape))
+        assert np.array_equal(ours.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1)), tensor.name
+    q = found["blk.0.attn_q.weight"]
+    assert q.shape == (32, 512) and np.array_equal(q.data, tensors["blk.0.attn_q.weight"])
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        (tmp_path / "other.gguf").write_bytes(b"GGML" + bytes(60))
+        gguf_tensors(tmp_path / "other.gguf")
 
 
 @pytest.mark.parametrize("head_kind", ["Q8_0", "Q6_K"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -16,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specdec.core.fetch import FETCHED_MODELS, cache_dir, fetch
+from specdec.core.gguf_file import gguf_tensors
 
 log = logging.getLogger(__name__)
 
@@ -99,21 +99,12 @@ def local_source(source: str) -> str:
 
 def gguf_layer_formats(source: str) -> set[str] | None:
     """The GGUF block formats (Q4_1, Q4_K, ...) of a GGUF source's decoder-layer weight
-    matrices, or None for a source that is not a GGUF file. Read once (parsing the file's
-    header takes seconds) and kept beside its converted copy."""
+    matrices, or None for a source that is not a GGUF file."""
     directory, gguf_file = resolve_source(source)
     if not gguf_file:
         return None
-    record = _converted_gguf_dir(directory, gguf_file) / "gguf_layer_formats.json"
-    if not record.is_file():
-        from gguf import GGUFReader
-
-        tensors = GGUFReader(str(Path(directory) / gguf_file)).tensors
-        formats = sorted({t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2})
-        staging = record.with_name(record.name + f".tmp{os.getpid()}")
-        staging.write_text(json.dumps(formats))
-        staging.rename(record)
-    return set(json.loads(record.read_text()))
+    tensors = gguf_tensors(Path(directory) / gguf_file).values()
+    return {t.kind for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
 
 
 def resolve_alias(source: str) -> str:

@@ -36,17 +36,28 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, smoothing: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("smoothing", smoothing, persistent=False)
         self.kernels = native()
-        if self.kernels is not None:
+        # The weights are kept once: packed for the kernel (then `weight` unpacks them), else as they are.
+        if self.kernels is not None and weight.device.type == "cpu":
             self.register_buffer("packed", self.kernels.pack_weight(weight), persistent=False)
             self.register_buffer("sums", self.kernels.weight_sums(weight), persistent=False)
-        elif weight.device.type == "cpu":
-            slices = weight.float().t().split(_EXACT_SLICE)
-            self._slices = [(start, part.contiguous()) for start, part in zip(range(0, self.in_features, _EXACT_SLICE), slices)]
+        else:
+            self.register_buffer("stored", weight, persistent=False)
+            if weight.device.type == "cpu":
+                slices = weight.float().t().split(_EXACT_SLICE)
+                self._slices = [(start, part.contiguous()) for start, part in zip(range(0, self.in_features, _EXACT_SLICE), slices)]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 weights [out_features, in_features]."""
+        if hasattr(self, "stored"):
+            return self.stored
+        blocks, steps, channels, inputs = self.packed.shape  # [N/16, K/4, 16, 4]
+        rows = self.packed.permute(0, 2, 1, 3).reshape(blocks * channels, steps * inputs)
+        return rows[: self.out_features, : self.in_features]
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, input_range: torch.Tensor | None = None) -> "Int8Linear":
@@ -58,8 +69,9 @@ class Int8Linear(torch.nn.Module):
         if input_range is not None:
             balance = input_range.float().clamp_min(1e-5).sqrt()
             weight, smoothing = weight * balance, 1 / balance
-        scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / 127
-        quantized = torch.round(weight / scale).to(torch.int8)
+        low, high = torch.aminmax(weight, dim=1, keepdim=True)  # max |w| without a copy of |w|
+        scale = torch.maximum(-low, high).clamp_min(_TINY) / 127
+        quantized = (weight.div_(scale) if input_range is not None else weight / scale).round_().to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().float()
         return cls(quantized, scale.view(-1), bias, smoothing)
 
@@ -76,7 +88,7 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        if self.kernels is not None and rows.device.type == "cpu":
+        if hasattr(self, "packed") and rows.device.type == "cpu":
             out = self.kernels.int8_linear(rows, self.smoothing, self.packed, self.sums, self.scale, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.smoothing is not None:
@@ -177,6 +189,6 @@ def native_layer(input_norm, qkv, o, post_norm, gate_up, down, eps: float) -> Na
     linears = (qkv, o, gate_up, down)
     if native() is None or not any(all(isinstance(m, kinds) for m in linears) for kinds in _NATIVE_MIXES):
         return None
-    if not all(m.kernels is not None and m.packed.device.type == "cpu" for m in linears):
+    if not all(getattr(m, "packed", None) is not None and m.packed.device.type == "cpu" for m in linears):
         return None
     return NativeLayer(input_norm, qkv, o, post_norm, gate_up, down, eps)

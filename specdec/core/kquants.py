@@ -17,6 +17,7 @@ tree pass gives every node the logits of a one-token step.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from specdec.core.blocks import FILE_BLOCK_TYPES, BlockLinear, dequantize_blocks, file_blocks
+from specdec.core.gguf_file import gguf_tensors
 from specdec.core.kernels import native
 
 KQUANT_TYPES = ("Q4_K", "Q6_K")
@@ -258,22 +260,21 @@ def load_gguf_linears(model: torch.nn.Module, gguf_path: Path) -> None:
     BlockLinear for block types. Refuses a file whose linears are stored in another format, and
     checks each tensor's first rows against the model's weights (the same file, dequantized by
     transformers)."""
-    from gguf import GGUFReader
-
     config = model.config
-    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    tensors = gguf_tensors(gguf_path)
     targets = {f"blk.{i}.{g}.weight": f"model.layers.{i}.{m}" for i in range(config.num_hidden_layers) for g, m in _GGUF_LINEARS.items()}
     # A head cut to a draft vocabulary (ScatteredHead) takes those rows of the file's.
     head_rows = getattr(model, "draft_vocab_ids", None)
     targets["output.weight" if "output.weight" in tensors else "token_embd.weight"] = "lm_head" if head_rows is None else "lm_head.head"
-    others = sorted({tensors[name].tensor_type.name for name in targets if tensors[name].tensor_type.name not in GGUF_TYPES})
+    others = sorted({tensors[name].kind for name in targets if tensors[name].kind not in GGUF_TYPES})
     if others:
         raise ValueError(f"{gguf_path.name} stores linears as {', '.join(others)}; dtype gguf serves {', '.join(GGUF_TYPES)} "
                          f"(int8 reads any file)")
     modules = dict(model.named_modules())
-    for name, target in targets.items():
+
+    def serve(name: str, target: str) -> torch.nn.Module:
         tensor = tensors[name]
-        raw = np.asarray(tensor.data)
+        raw = tensor.data
         if config.model_type == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if name.split(".")[-2] == "attn_q" else config.num_key_value_heads
             raw = raw[_llama_rows(raw.shape[0], heads)]
@@ -283,15 +284,21 @@ def load_gguf_linears(model: torch.nn.Module, gguf_path: Path) -> None:
         sample = slice(0, min(KQUANT_ROWS, raw.shape[0]))
         expected = module.weight.detach()[sample].float()
         bias = None if getattr(module, "bias", None) is None else module.bias.detach().float()
-        kind = tensor.tensor_type.name
-        if kind in KQUANT_TYPES:
-            blocks = decode(raw, kind)
+        if tensor.kind in KQUANT_TYPES:
+            blocks = decode(raw, tensor.kind)
             check = KBlocks(blocks.kind, *(t[sample] for t in (blocks.q, blocks.a, blocks.b, blocks.d, blocks.dmin))).dequantize()
             served = KQuantLinear.from_blocks(blocks, bias)
         else:
-            check = dequantize_blocks(*file_blocks(raw[sample], kind)[:3])
-            served = BlockLinear.from_file_blocks(raw, kind, bias)
+            check = dequantize_blocks(*file_blocks(raw[sample], tensor.kind)[:3])
+            served = BlockLinear.from_file_blocks(raw, tensor.kind, bias)
         if not torch.equal(check, expected):
             raise ValueError(f"{name} in {gguf_path.name} does not dequantize to the model's {target}.weight")
-        parent, _, child = target.rpartition(".")
-        setattr(modules[parent] if parent else model, child, served)
+        return served
+
+    # numpy and torch release the GIL in the large array operations of a tensor's conversion:
+    # one tensor a thread keeps both cores busy.
+    with ThreadPoolExecutor(max(torch.get_num_threads(), 1)) as pool:
+        served = pool.map(serve, targets.keys(), targets.values())
+        for target, layer in zip(targets.values(), served):
+            parent, _, child = target.rpartition(".")
+            setattr(modules[parent] if parent else model, child, layer)

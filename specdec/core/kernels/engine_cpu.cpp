@@ -280,8 +280,20 @@ torch::Tensor pack_weight(torch::Tensor weight) {
 // Row sums of the weights, padded to the block: activations enter the kernel as x + 128
 // (unsigned), and sum((x + 128) w) - 128 sum(w) recovers sum(x w) exactly.
 torch::Tensor weight_sums(torch::Tensor weight) {
-  auto sums = weight.to(torch::kInt32).sum(1).to(torch::kInt32);
-  return torch::constant_pad_nd(sums, {0, round_up(weight.size(0), kBlock) - weight.size(0)});
+  TORCH_CHECK(weight.dtype() == torch::kInt8 && weight.dim() == 2, "weight_sums takes int8 [N, K]");
+  const auto rows = weight.contiguous();
+  const int64_t n = rows.size(0), k = rows.size(1);
+  auto sums = torch::zeros({round_up(n, kBlock)}, torch::kInt32);
+  const int8_t* w = rows.data_ptr<int8_t>();
+  int32_t* out = sums.data_ptr<int32_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int32_t total = 0;
+      for (int64_t i = 0; i < k; ++i) total += w[r * k + i];
+      out[r] = total;
+    }
+  });
+  return sums;
 }
 
 // One row: scale = max|x * smoothing| / 127, q = round(x / scale) + 128, the same float
