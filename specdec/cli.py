@@ -337,25 +337,34 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("name", choices=sorted(FETCHED_MODELS))
     models.set_defaults(func=cmd_models)
 
+    # The bench's and the trainers' arguments come from modules that import transformers' models
+    # (seconds): they are read only when their command is the one run.
+    words = [word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")]
+    chosen = words[0] if words else None
+
     bench = sub.add_parser("bench", help="speed benchmark: speculative vs verifier-only vs HF assisted vs HF generate")
-    from specdec.bench.main import add_bench_arguments
-
-    add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+    if chosen == "bench":
+        from specdec.bench.main import add_bench_arguments
 
-    from specdec.train import distill, distill_head
-    from specdec.train.recipe_args import add_recipe_arguments
+        add_bench_arguments(bench)
 
-    for name, module, recipe, run, description in (
-        ("distill", distill, distill.DistillConfig, distill.run_distill, "distil a drafter toward the verifier (DistillSpec)"),
-        (
-            "distill-feature-head", distill_head, distill_head.FeatureHeadConfig, distill_head.run_feature_head,
-            "train the drafter that reads the verifier's features (EAGLE-3 style)",
+    trainers = {
+        "distill": ("distill", "DistillConfig", "run_distill", "distil a drafter toward the verifier (DistillSpec)"),
+        "distill-feature-head": (
+            "distill_head", "FeatureHeadConfig", "run_feature_head", "train the drafter that reads the verifier's features (EAGLE-3 style)",
         ),
-    ):
+    }
+    for name, (module_name, recipe, run, description) in trainers.items():
         command = sub.add_parser(name, help=description)
-        add_recipe_arguments(command, recipe, module.LIST_HELP)
-        command.set_defaults(func=cmd_train, train=run)
+        if chosen == name:
+            import importlib
+
+            from specdec.train.recipe_args import add_recipe_arguments
+
+            module = importlib.import_module(f"specdec.train.{module_name}")
+            add_recipe_arguments(command, getattr(module, recipe), module.LIST_HELP)
+            command.set_defaults(func=cmd_train, train=getattr(module, run))
 
     args = parser.parse_args(argv)
     return args.func(args)

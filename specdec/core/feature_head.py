@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec.core.hub import load_model_weights_only, resolve_alias
 
@@ -141,6 +140,9 @@ class FeatureHead(torch.nn.Module):
         self.layer = HeadLayer(config)
         self.norm = _RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = torch.nn.Linear(hidden, len(vocab_ids), bias=False)
+        # transformers' model modules take seconds to import: a coordinator that never builds a head skips them
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         self.rotary = LlamaRotaryEmbedding(config)
         self.register_buffer("vocab_ids", torch.tensor(vocab_ids, dtype=torch.long), persistent=False)
         self.embed.requires_grad_(False)
