@@ -328,8 +328,13 @@ class BudgetController:
             if plan.budget == 0:
                 self.pass_ms.add(report.pass_rows, report.verify_ms / report.passes)
             else:
+                # X(b) is what the call costs beyond a verifier-alone pass: unknown until such a
+                # pass was measured (taken from the whole call, a request's first rounds priced
+                # their plans at twice their verify for the rest of a benchmark)
                 sessions = report.batch_sessions or 1.0
-                self.verify_extra_ms[plan].add((report.verify_ms - (self.pass_ms(round(sessions)) or 0.0)) / sessions)
+                one_pass = self.pass_ms(round(sessions))
+                if one_pass is not None:
+                    self.verify_extra_ms[plan].add((report.verify_ms - one_pass) / sessions)
             if report.wall_ms:
                 self.own_ms[plan.budget > 0].add(report.unaccounted_ms)
             if plan.budget:

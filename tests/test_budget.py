@@ -422,6 +422,21 @@ def test_no_request_waits_on_the_controller_while_another_holds_it():
     assert controller.kept_at[1].weights > before and controller._best_at(32) is not None
 
 
+def test_a_plans_verify_extra_waits_for_a_verifier_alone_pass():
+    """X(b), a plan's verify call beyond a verifier-alone pass, is learned once such a pass was
+    measured: a chain-4 round before any (a request's first rounds) taught nothing, where it had
+    taken the whole call as extra and priced chain-4 at twice its verify for a benchmark."""
+    controller = BudgetController(PLANS, FUSED_BLOCK)
+    chain = RoundReport(plan=Plan(4), accepted=3, depth=4, verified_tokens=5, draft_ms=36.0, verify_ms=75.0,
+                        draft_wire_ms=1.0, verify_wire_ms=1.0)
+    controller.observe(chain)
+    assert controller.verify_extra_ms[Plan(4)].value is None
+    controller.observe(RoundReport(plan=Plan(0), accepted=0, depth=0, verified_tokens=1, draft_ms=0.0, verify_ms=65.0,
+                                   draft_wire_ms=0.0, verify_wire_ms=1.0))
+    controller.observe(chain)
+    assert controller.verify_extra_ms[Plan(4)].value == pytest.approx(10.0)
+
+
 def test_a_round_stopped_early_says_nothing_of_the_depths_it_never_reached():
     """Chains learn each depth's rate from the rounds that reached it: one chain-8 round that
     kept nothing after twenty chain-4 rounds that kept everything leaves chain-8 looking like
