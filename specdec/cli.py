@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -358,8 +359,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module_name, recipe, run, description) in trainers.items():
         command = sub.add_parser(name, help=description)
         if chosen == name:
-            import importlib
-
             from specdec.train.recipe_args import add_recipe_arguments
 
             module = importlib.import_module(f"specdec.train.{module_name}")

@@ -69,10 +69,9 @@ def gguf_tensors(path: str | Path) -> dict[str, GgufTensor]:
     path = Path(path)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     cursor = _Cursor(memoryview(mapped), path)
-    magic, version = bytes(mapped[:4]), int(mapped[4:8].view(np.uint32)[0])
+    magic, version = cursor.take("<4sI")
     if magic != _MAGIC or version not in (2, 3):
         raise ValueError(f"{path.name} is not a GGUF file of version 2 or 3 (magic {magic!r}, version {version})")
-    cursor.at = 8
     num_tensors, num_fields = cursor.take("<QQ")
     alignment = _DEFAULT_ALIGNMENT
     for _ in range(num_fields):

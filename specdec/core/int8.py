@@ -71,6 +71,7 @@ class Int8Linear(torch.nn.Module):
             weight, smoothing = weight * balance, 1 / balance
         low, high = torch.aminmax(weight, dim=1, keepdim=True)  # max |w| without a copy of |w|
         scale = torch.maximum(-low, high).clamp_min(_TINY) / 127
+        # in place where `weight` is this function's own copy (smoothed), not the layer's
         quantized = (weight.div_(scale) if input_range is not None else weight / scale).round_().to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().float()
         return cls(quantized, scale.view(-1), bias, smoothing)

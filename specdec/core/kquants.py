@@ -298,7 +298,7 @@ def load_gguf_linears(model: torch.nn.Module, gguf_path: Path) -> None:
     # numpy and torch release the GIL in the large array operations of a tensor's conversion:
     # one tensor a thread keeps both cores busy.
     with ThreadPoolExecutor(max(torch.get_num_threads(), 1)) as pool:
-        served = pool.map(serve, targets.keys(), targets.values())
-        for target, layer in zip(targets.values(), served):
+        layers = pool.map(serve, targets.keys(), targets.values())
+        for target, layer in zip(targets.values(), layers):
             parent, _, child = target.rpartition(".")
             setattr(modules[parent] if parent else model, child, layer)
