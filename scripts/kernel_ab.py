@@ -12,7 +12,7 @@ machine do (the drafter, the coordinator, Ray): every forward is then taken twic
 neighbour running and stopped, in turn, and the builds compare under it; each build's rows also
 give the paired slowdown.
 
-`--base` and `--new` name git revisions of specdec/core/kernels/engine_cpu.cpp; `--new`
+`--base` and `--new` name git revisions of the kernels (specdec/core/kernels/*.cpp, *.h); `--new`
 defaults to the working tree. Both builds must pack weights alike (checked: the model's
 weights are packed once, by the build the engine loaded) and take the same arguments from
 specdec/core/engine.py (the working tree's).
@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import specdec.core.engine as engine_module
 import specdec.core.int8 as int8_module
-from specdec.core.kernels import KERNEL_SOURCE, build
+from specdec.core.kernels import KERNEL_DIR, build, sources
 from specdec.core.models import load_model
 from specdec.serving.config import load_config
 
@@ -46,11 +46,17 @@ def use(kernels) -> None:
     engine_module.native = int8_module.native = lambda: kernels
 
 
-def source_at(revision: str | None) -> str:
+def sources_at(revision: str | None) -> dict[str, str]:
+    """The kernels' source files at a git revision (None: the working tree)."""
     if revision is None:
-        return KERNEL_SOURCE.read_text()
-    path = KERNEL_SOURCE.relative_to(REPO).as_posix()
-    return subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
+        return sources()
+    folder = KERNEL_DIR.relative_to(REPO).as_posix()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
+
+    names = [Path(path).name for path in git("ls-tree", "--name-only", f"{revision}:{folder}/").split() if path.endswith((".cpp", ".h"))]
+    return {name: git("show", f"{revision}:{folder}/{name}") for name in names}
 
 
 def contend(busy_ms: float, idle_ms: float, niceness: int = 0) -> subprocess.Popen:
@@ -84,7 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     busy_ms, idle_ms, *niceness = (float(v) for v in args.contention.split(",")) if args.contention else (0.0, 0.0)
 
-    builds = {"base": build(source_at(args.base)), "new": build(source_at(args.new))}
+    builds = {"base": build(sources_at(args.base)), "new": build(sources_at(args.new))}
     probe = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
     if not torch.equal(builds["base"].pack_weight(probe), builds["new"].pack_weight(probe)):
         raise SystemExit("the two builds pack weights differently: their forwards cannot share one loaded model")

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from specdec.core.engine import ForwardCall, KVCache, LlamaEngine
 from specdec.core.int8 import Int8Linear, quantize_linears
 from specdec.core.hub import load_model_weights_only
-from specdec.core.kernels import KERNEL_SOURCE, build, native
+from specdec.core.kernels import build, native, sources
 from specdec.core.tree import DraftTree, verification_inputs
 from tests.tiny_models import build_model_dir
 
@@ -56,7 +56,7 @@ def test_int8_tiles_give_the_vector_paths_bits():
     """AMX's tiles (their emulated twin, built on the scalar paths so it runs on any CPU, and this
     CPU's own where it has them) give every row of every pass the sums the tiles-off path gives:
     row groups of 4-16 and past 16, channels in sets of four blocks and a partial set."""
-    emulated = build(KERNEL_SOURCE.read_text(), "x86-64", emulate=("amx",))
+    emulated = build(sources(), "x86-64", emulate=("amx",))
     builds = {"emulated tiles": emulated, **({"this CPU's tiles": native()} if native().tiles() else {})}
     torch.manual_seed(0)
     quantized = Int8Linear.from_linear(torch.nn.Linear(512, 16 * 9 + 5))  # 10 blocks: two sets of four and a part

@@ -15,7 +15,7 @@ from specdec.core.engine import ForwardCall, LlamaEngine
 from specdec.core.gguf_file import gguf_tensors
 from specdec.core.hub import load_model_weights_only
 from specdec.core.int8 import Int8Linear
-from specdec.core.kernels import KERNEL_SOURCE, _cpu_flags, build
+from specdec.core.kernels import _cpu_flags, build, sources
 from specdec.core.kquants import KQuantLinear, _llama_rows, decode, load_gguf_linears, pack, unpack
 from tests.test_engine import assert_tree_pass_equals_one_token_steps
 from tests.tiny_models import build_model_dir
@@ -98,7 +98,7 @@ def test_every_instruction_set_computes_the_same_bits():
     served model's tokens do not depend on its machine."""
     marches = [("x86-64", ()), ("x86-64", ("amx",)), ("x86-64-v3", ()), ("x86-64-v3", ("avx512",)),
                ("x86-64-v3", ("avx512", "amx")), *([("x86-64-v4", ())] if " avx512bw" in _cpu_flags() else []), ("native", ())]
-    builds = {f"{march}{'+' if emulate else ''}{'+'.join(emulate)}": build(KERNEL_SOURCE.read_text(), march, emulate)
+    builds = {f"{march}{'+' if emulate else ''}{'+'.join(emulate)}": build(sources(), march, emulate)
               for march, emulate in marches}
     fused, _, _ = mixed_layer(seed=3)
     layers = {"Q4_K|Q6_K": fused, "int8": Int8Linear.from_linear(torch.nn.Linear(768, 200))}

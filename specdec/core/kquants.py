@@ -32,7 +32,7 @@ KQUANT_TYPES = ("Q4_K", "Q6_K")
 GGUF_TYPES = (*KQUANT_TYPES, *FILE_BLOCK_TYPES)  # what dtype gguf serves as stored
 SUPER = 256  # weights per super-block along a row
 KQUANT_ROWS = 16  # output channels per packed group: one vector of the native kernel
-_FORMAT_CODES = {"Q4_K": 0, "Q6_K": 1}  # engine_cpu.cpp's KFormat
+_FORMAT_CODES = {"Q4_K": 0, "Q6_K": 1}  # kernels/kquants.h's KFormat
 _RAW_BYTES = {"Q4_K": 144, "Q6_K": 210}  # a super-block in the file
 _TINY = 1e-12  # the smallest activation scale: an all-zero super-block quantizes to zeros
 
@@ -104,7 +104,7 @@ def _factor_bytes(blocks: KBlocks, groups: int, supers: int) -> torch.Tensor:
 
 def pack(blocks: KBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 stream, groups int64 [N/16, 3]) in the native kernel's layout
-    (engine_cpu.cpp): per group of 16 channels, its super-blocks one after another."""
+    (kernels/kquants.h): per group of 16 channels, its super-blocks one after another."""
     n, k = blocks.q.shape
     if n % KQUANT_ROWS or k % SUPER:
         raise ValueError(f"K-quant tensors need rows in multiples of {KQUANT_ROWS} and columns of {SUPER}, not {n} x {k}")

@@ -40,7 +40,8 @@ from specdec.core.hub import (
     load_tokenizer_of,
     resolve_alias,
 )
-from specdec.core.kernels import KERNEL_SOURCE, native
+from specdec.core.kernels import fingerprint, native
+from specdec.core.kernels import sources as kernel_sources
 from specdec.core.kquants import GGUF_TYPES, KQUANT_ROWS, load_gguf_linears
 from specdec.core.prompts import calibration_ids
 from specdec.core.timing import pass_times
@@ -184,7 +185,7 @@ def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
     per CPU (its model name and flags), model source, candidates, kernel source (or the torch ops
     where the kernels are not built) and torch thread count, in the cache directory."""
     name, flags = cpu_identity()
-    kernels = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest() if native() is not None else "torch ops"
+    kernels = fingerprint(kernel_sources()) if native() is not None else "torch ops"
     key = {
         "cpu": name, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest(), "source": spec.source, "layers": spec.layers,
         "candidates": candidates, "kernels": kernels, "threads": torch.get_num_threads(),

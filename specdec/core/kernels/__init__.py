@@ -1,5 +1,5 @@
-"""The engine's native CPU kernels (engine_cpu.cpp), compiled for this machine's CPU on first
-use and cached; `native()` is None where they cannot be built (no C++ compiler, a failed
+"""The engine's native CPU kernels (engine_cpu.cpp and the parts it includes), compiled for this
+machine's CPU on first use and cached; `native()` is None where they cannot be built (no C++ compiler, a failed
 build, or SPECDEC_NATIVE_KERNELS=0), and the engine then runs torch ops instead."""
 from __future__ import annotations
 
@@ -14,7 +14,21 @@ from specdec.core.hub import cache_dir
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).with_name("engine_cpu.cpp")
+KERNEL_DIR = Path(__file__).parent
+MODULE_SOURCE = "engine_cpu.cpp"  # the translation unit; it includes the other parts
+
+
+def sources() -> dict[str, str]:
+    """The kernels' source files by name: the module and every part it includes."""
+    return {path.name: path.read_text() for path in sorted(KERNEL_DIR.iterdir()) if path.suffix in (".cpp", ".h")}
+
+
+def fingerprint(texts: dict[str, str]) -> str:
+    """One hash of a set of kernel sources (names and texts)."""
+    digest = hashlib.sha256()
+    for name in sorted(texts):
+        digest.update(f"{name}\0{texts[name]}\0".encode())
+    return digest.hexdigest()
 
 
 # What build(emulate=...) can emulate: AVX-512 with VNNI through SIMDe's headers (the simde-py
@@ -51,16 +65,16 @@ def native():
     if os.environ.get("SPECDEC_NATIVE_KERNELS", "1") == "0":
         return None
     try:
-        return build(KERNEL_SOURCE.read_text())
+        return build(sources())
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops still work
         log.warning("native engine kernels unavailable, running torch ops instead: %s", err)
         return None
 
 
-def build(source: str, march: str = "native", emulate: tuple[str, ...] = ()):
-    """The kernels compiled from `source` (the text of an engine_cpu.cpp) for `march` (GCC's
+def build(texts: dict[str, str], march: str = "native", emulate: tuple[str, ...] = ()):
+    """The kernels compiled from `texts` (every source file by name, as sources() gives) for `march` (GCC's
     -march: the CPU it runs on by default; "x86-64" gives the scalar paths, "x86-64-v3" the AVX2
-    ones, for tests on a CPU that has more), built once per source text, compiler flags and CPU
+    ones, for tests on a CPU that has more), built once per set of sources, compiler flags and CPU
     (-march=native code must not move to a CPU without the same instructions) and cached; a
     module of its own, so builds of two versions load side by side (scripts/kernel_ab.py).
     `emulate` names instruction sets (EMULATED) built without the CPU's help, so their paths run,
@@ -68,7 +82,7 @@ def build(source: str, march: str = "native", emulate: tuple[str, ...] = ()):
     from torch.utils.cpp_extension import load
 
     flags = _flags(march, emulate)
-    key = hashlib.sha256(f"{source}{flags}{_cpu_flags()}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{fingerprint(texts)}{flags}{_cpu_flags()}".encode()).hexdigest()[:12]
     directory = cache_dir() / "kernels" / key
     directory.mkdir(parents=True, exist_ok=True)
     # torch guards a build with a lock file that a killed build leaves behind, and then every
@@ -77,8 +91,9 @@ def build(source: str, march: str = "native", emulate: tuple[str, ...] = ()):
     with open(directory / "build.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
-        copy = directory / KERNEL_SOURCE.name
-        if not copy.exists() or copy.read_text() != source:
-            copy.write_text(source)
-        return load(name=f"specdec_engine_cpu_{key}", sources=[str(copy)], extra_cflags=flags,
+        for name, text in texts.items():
+            copy = directory / name
+            if not copy.exists() or copy.read_text() != text:
+                copy.write_text(text)
+        return load(name=f"specdec_engine_cpu_{key}", sources=[str(directory / MODULE_SOURCE)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
