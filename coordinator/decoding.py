@@ -231,19 +231,15 @@ def decode_rounds(
     `forced_drafts` (a constrained request that speculates): the tokens its grammar forces are
     drafted too, before a drafter's draft and within the verifier's fused generation."""
     rounds = _Rounds(session, shape, meter, costs, overlap, forced_drafts)
-    generated, empty = 0, 0  # empty: drafts in a row that proposed nothing
+    generated = 0
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
         drafted, plan = rounds.draft(rounds.plan(policy), remaining)
         if drafted is not None and drafted.draft.tree.token_ids:
-            empty = 0
             report, verdict, verify_call = rounds.verify_draft(plan, drafted)
         else:  # the verifier alone: by plan, with nothing drafted, or without a drafter
-            # Nothing to propose (an n-gram drafter without a match): ask again after a token,
-            # then after 2, 4, ... while it goes on proposing nothing (fresh text), each ask a
-            # round trip to both services that a fused block of the verifier's does not pay.
-            empty += drafted is not None
-            fused = min(2 ** (empty - 1) if drafted is not None else fused_block, fused_block, remaining)
+            # Nothing to propose (an n-gram drafter without a match): ask again after a token.
+            fused = 1 if drafted is not None else min(fused_block, remaining)
             drafted, (report, verdict, verify_call) = None, rounds.verify_alone(plan, fused)
         rounds.account(policy, report, drafted, verify_call)
         generated += len(verdict.token_ids)

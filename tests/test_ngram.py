@@ -156,20 +156,6 @@ def test_greedy_through_ngram_drafters_equals_generate(tiny_dirs, tiny_verifier,
     assert accepted > 0  # random tiny models repeat themselves: n-grams find it
 
 
-def test_where_nothing_matches_the_verifier_runs_in_growing_blocks(tiny_dirs, tiny_verifier):
-    """An n-gram drafter that keeps proposing nothing (fresh text) is asked again after 1, 2, 4
-    and then 8 (coordinator.fused_block_tokens) of the verifier's tokens, not after every token:
-    each ask is a round trip to both services. Exact all the same."""
-    ids = [3, 3, 7]
-    with local_stack(ngram_config(tiny_dirs, "prompt-lookup", min_ngram=32, max_ngram=32)) as stack:  # no 32-gram repeats in 43 tokens
-        client = CoordinatorClient(stack["coordinator"])
-        response = client.generate(generate_request(prompt_token_ids=ids, max_new_tokens=40))
-        client.close()
-    assert list(response.token_ids) == hf_greedy(tiny_verifier, ids, 40)
-    assert response.stats.speculative_rounds == 0
-    assert response.stats.rounds == 8  # 1 + 2 + 4 + 8 + 8 + 8 + 8 + 1
-
-
 def test_a_model_free_drafter_pairs_with_any_tokenizer(tiny_dirs):
     """The n-gram drafter has no tokenizer, so a verifier with other words is fine."""
     from specdec.core.models import ModelSpec, load_model
