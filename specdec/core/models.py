@@ -182,7 +182,7 @@ def cpu_identity() -> tuple[str, str]:
 
 def format_choice_path(spec: ModelSpec, candidates: list[str]) -> Path:
     """Where dtype auto keeps its choice for `spec` among `candidates` on this machine: one file
-    per CPU (its model name and flags), model source, candidates, kernel source (or the torch ops
+    per CPU (its model name and flags), model source, candidates, kernels' sources (or the torch ops
     where the kernels are not built) and torch thread count, in the cache directory."""
     name, flags = cpu_identity()
     kernels = fingerprint(kernel_sources()) if native() is not None else "torch ops"
