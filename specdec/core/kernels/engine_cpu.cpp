@@ -4,7 +4,7 @@
 //
 // Batch invariance is the point of both. Verifying a draft tree must give every node the very
 // logits a one-token step gives, so every sum a row's result depends on is taken in an order
-// fixed by that row alone: integer sums are exact, and each float sum below runs over one
+// fixed by that row alone: integer sums are exact, and each float sum in these parts runs over one
 // row's own elements in one fixed order, whatever the number of rows, threads or the tree.
 // Built with -ffp-contract=off so the compiler fuses no multiply-add the code did not write.
 //
