@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import specdec.core.engine as engine_module
 import specdec.core.int8 as int8_module
-from specdec.core.kernels import KERNEL_DIR, build, sources
+from specdec.core.kernels import KERNEL_DIR, SOURCE_SUFFIXES, build, sources
 from specdec.core.models import load_model
 from specdec.serving.config import load_config
 
@@ -55,7 +55,7 @@ def sources_at(revision: str | None) -> dict[str, str]:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
 
-    names = [Path(path).name for path in git("ls-tree", "--name-only", f"{revision}:{folder}/").split() if path.endswith((".cpp", ".h"))]
+    names = [Path(path).name for path in git("ls-tree", "--name-only", f"{revision}:{folder}/").split() if path.endswith(SOURCE_SUFFIXES)]
     return {name: git("show", f"{revision}:{folder}/{name}") for name in names}
 
 

@@ -16,11 +16,12 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
 MODULE_SOURCE = "engine_cpu.cpp"  # the translation unit; it includes the other parts
+SOURCE_SUFFIXES = (".cpp", ".h")  # what a kernel source file's name ends with
 
 
 def sources() -> dict[str, str]:
     """The kernels' source files by name: the module and every part it includes."""
-    return {path.name: path.read_text() for path in sorted(KERNEL_DIR.iterdir()) if path.suffix in (".cpp", ".h")}
+    return {path.name: path.read_text() for path in sorted(KERNEL_DIR.iterdir()) if path.suffix in SOURCE_SUFFIXES}
 
 
 def fingerprint(texts: dict[str, str]) -> str:
