@@ -9,13 +9,12 @@ the file), in the schema of specdec.serving.config.
 from __future__ import annotations
 
 import secrets
+from typing import TYPE_CHECKING
 
-from ray.serve import Application
-
-from coordinator.deployment import CoordinatorDeployment
-from drafter_service.deployment import DrafterDeployment
 from specdec.serving.config import Config, config_from_dict, config_to_dict, load_config
-from verifier_service.deployment import VerifierDeployment
+
+if TYPE_CHECKING:
+    from ray.serve import Application
 
 
 def build_config(args: dict | None) -> Config:
@@ -33,6 +32,11 @@ def with_service_token(config: Config) -> Config:
 
 
 def build_app(args: dict | None = None) -> Application:
+    # Imported here: the plain gRPC servers (`python -m coordinator`) use this package without Ray.
+    from coordinator.deployment import CoordinatorDeployment
+    from drafter_service.deployment import DrafterDeployment
+    from verifier_service.deployment import VerifierDeployment
+
     config = with_service_token(build_config(args))
     as_dict = config_to_dict(config)
     here = config.coordinator
