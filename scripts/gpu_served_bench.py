@@ -82,7 +82,7 @@ def main() -> None:
                                                    "--verifier", f"localhost:{verifier_port}", "--port", str(coordinator_port)],
                                    out / f"coordinator_{name}.log"))
             addresses[name] = f"localhost:{coordinator_port}"
-        results = run(args, addresses, {name: plans for name, (_, plans) in drafters.items()})
+        run(args, addresses, {name: plans for name, (_, plans) in drafters.items()}, out / "gpu_served_bench.json")
     finally:
         for process in processes:
             process.terminate()
@@ -91,11 +91,11 @@ def main() -> None:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
-    (out / "gpu_served_bench.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / "gpu_served_bench.png")
+    plot(json.loads((out / "gpu_served_bench.json").read_text()), out / "gpu_served_bench.png")
 
 
-def run(args, addresses: dict[str, str], plans: dict[str, dict]) -> dict:
+def run(args, addresses: dict[str, str], plans: dict[str, dict], path: Path) -> None:
+    """Every prompt set in turn, the results written to `path` after each."""
     from specdec.core.models import load_tokenizer
     from specdec.core.prompts import chat_ids, evaluation_split, load_prompts
     from specdec.serving.client import CoordinatorClient, generate_request
@@ -137,8 +137,10 @@ def run(args, addresses: dict[str, str], plans: dict[str, dict]) -> dict:
         sets[kind] = summarize(table)
         for row in sets[kind]:
             print(kind, json.dumps(row), flush=True)
-    return {"device": args.device, "verifier": Path(args.verifier).name, "num_prompts": args.num_prompts,
-            "max_new_tokens": args.max_new_tokens, "row_buckets": os.environ.get("SPECDEC_CUDA_ROW_BUCKETS", "16"), "sets": sets}
+        path.write_text(json.dumps({
+            "device": args.device, "verifier": Path(args.verifier).name, "num_prompts": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens, "row_buckets": os.environ.get("SPECDEC_CUDA_ROW_BUCKETS", "16"), "sets": sets,
+        }, indent=1))
 
 
 def summarize(table: dict[str, list[dict]]) -> list[dict]:
