@@ -81,6 +81,9 @@ class RoundReport:
     batch_sessions: float = 0.0  # and mean sessions sharing them (0 = not reported: 1)
     wall_ms: float = 0.0  # the whole round at the coordinator (0 = not measured)
     accepted_forced: int = 0  # of `accepted`, tokens a constraint forced (drafted by no model)
+    # The plan whose drafter proposed nothing this round (an n-gram drafter without a match), so
+    # that the verifier went alone: `plan` is then Plan(0), and draft_ms its empty draft's cost.
+    drafted_nothing: Plan | None = None
 
     @property
     def unaccounted_ms(self) -> float:
@@ -194,6 +197,7 @@ class BudgetController:
         self.revisit_every = revisit_every
         self.kept_at: dict[int, Ema] = {}  # chains: depth d -> P(accepted >= d | accepted >= d - 1)
         self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}
+        self.empty = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}  # the share of a plan's drafts that proposed nothing
         self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
         self.pass_ms = PassCost(self.COMPUTE_DECAY)  # by the rows of the pass, all sessions'
         self.verify_extra_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}  # X(b): per session, beyond a one-row pass
@@ -242,13 +246,19 @@ class BudgetController:
             step = self.pass_ms(round(sessions)) or 1.0
             return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0) + self.own_ms[False].get(0.0)) * 1e3
         accepted = self.expected_accepted(plan)
+        # A draft that proposes nothing (an n-gram drafter on fresh text) still costs the round
+        # trip to both services, and the round brings one token: where most drafts are empty and
+        # a round trip is dear beside a pass (a GPU's), the verifier's fused blocks win.
+        empty = self.empty[plan].get(0.0)
         # X(b) >= 0: a plan's verify call holds a verifier-alone pass; a noisy negative estimate
         # would price a one-token chain under the verifier alone.
-        verify = (self.pass_ms(round(sessions)) or 0.0) + sessions * max(self.verify_extra_ms[plan].get(0.0), 0.0)
+        extra = (1 - empty) * sessions * max(self.verify_extra_ms[plan].get(0.0), 0.0)
+        own = (1 - empty) * self.own_ms[True].get(0.0) + empty * self.own_ms[False].get(0.0)
         seconds_ms = (
-            self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0) + self.own_ms[True].get(0.0)
+            self.draft_ms[plan].get(0.0) + (self.pass_ms(round(sessions)) or 0.0) + extra + own
+            + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0)
         )
-        return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
+        return ((1 - empty) * (accepted + 1) + empty) / max(seconds_ms, 1e-6) * 1e3
 
     def choose(self) -> Plan:
         if not self._lock.acquire(blocking=False):
@@ -340,8 +350,15 @@ class BudgetController:
             if plan.budget:
                 self.draft_wire_ms.add(report.draft_wire_ms)
                 self.draft_ms[plan].add(report.draft_ms)
+        if report.drafted_nothing is not None:
+            asked = report.drafted_nothing
+            self.empty[asked].add(1.0)
+            if not report.opened:
+                self.draft_wire_ms.add(report.draft_wire_ms)
+                self.draft_ms[asked].add(report.draft_ms)
         if plan.budget == 0:
             return
+        self.empty[plan].add(0.0)
         self._accepted.clear()
         if plan.profiled:
             for d in range(1, min(report.depth, report.accepted + 1) + 1):  # the depths the round reached

@@ -240,7 +240,7 @@ def decode_rounds(
         else:  # the verifier alone: by plan, with nothing drafted, or without a drafter
             # Nothing to propose (an n-gram drafter without a match): ask again after a token.
             fused = 1 if drafted is not None else min(fused_block, remaining)
-            drafted, (report, verdict, verify_call) = None, rounds.verify_alone(plan, fused)
+            report, verdict, verify_call = rounds.verify_alone(plan, fused, drafted)
         rounds.account(policy, report, drafted, verify_call)
         generated += len(verdict.token_ids)
         yield list(verdict.token_ids), report
@@ -335,10 +335,11 @@ class _Rounds:
         self.meter.grammar_draft_ms += (time.perf_counter() - started) * 1e3
         return constrained, made.forced
 
-    def verify_alone(self, plan: Plan, fused: int):
+    def verify_alone(self, plan: Plan, fused: int, empty: _Drafted | None = None):
         """`fused` tokens from the verifier alone; (report, verdict, call). A drafter that reads
         verifier state (a feature head) drafts after that of every committed position: where the
-        plan drafts and it is missing, one verifier token brings it, and the plan runs next round."""
+        plan drafts and it is missing, one verifier token brings it, and the plan runs next round.
+        `empty`: the round's draft, which proposed nothing: its cost is the round's."""
         self.carried.ahead = None
         fetch = bool(plan.budget) and not self.session.can_draft and self.standby.ready()
         if fetch:
@@ -351,9 +352,10 @@ class _Rounds:
         self.meter.accepted += verdict.forced_accepted
         passes = len(verdict.token_ids) - verdict.forced_accepted  # each pass kept its forced tokens and one of its own
         report = RoundReport(
-            plan=Plan(0), accepted=0, depth=0, verified_tokens=passes, draft_ms=0.0, verify_ms=call.compute_ms,
-            draft_wire_ms=0.0, verify_wire_ms=call.overhead_ms, opened=call.opened,
-            batch_rows=verdict.batch_rows, batch_sessions=verdict.batch_sessions,
+            plan=Plan(0), accepted=0, depth=0, verified_tokens=passes, draft_ms=empty.exposed_draft_ms if empty else 0.0,
+            verify_ms=call.compute_ms, draft_wire_ms=empty.exposed_wire_ms if empty else 0.0, verify_wire_ms=call.overhead_ms,
+            opened=call.opened or bool(empty and empty.call.opened), batch_rows=verdict.batch_rows, batch_sessions=verdict.batch_sessions,
+            drafted_nothing=plan if empty else None,
         )
         if not report.opened:
             self.costs.observe(1, call.compute_ms, call.overhead_ms, generated=passes)
@@ -410,7 +412,7 @@ class _Rounds:
             own = report.accepted - report.accepted_forced
             policy.observe(replace(report, accepted=own, depth=max(report.depth - forced, own)))
             if not (report.opened or carried.folded):  # the anatomy counts rounds that are only themselves
-                anatomy = self.meter.verifier_alone_anatomy if drafted is None else self.meter.speculative_anatomy
+                anatomy = self.meter.verifier_alone_anatomy if report.plan.budget == 0 else self.meter.speculative_anatomy
                 anatomy.add(report, None if drafted is None else drafted.call, verify_call)
         carried.folded = fetched_state and not report.opened  # this round's time goes into the next one's
         self.meter.add_call(verify_call, is_draft=False)

@@ -7,7 +7,7 @@ alone's; the drafters' memory across requests is off (every method decodes each 
 JSON and a plot in OUT.
 
     python scripts/gpu_served_bench.py --out OUT --verifier Q15B.gguf [--smollm2 S135M.gguf] \\
-        [--prompts humaneval,humaneval-fresh,code-edit] [--num-prompts 6] [--max-new-tokens 128] [--device cuda]
+        [--prompts humaneval,humaneval-fresh,code-edit] [--num-prompts 6] [--max-new-tokens 128] [--suffix-plans chain-8,adaptive]
 """
 from __future__ import annotations
 
@@ -58,11 +58,13 @@ def main() -> None:
     parser.add_argument("--prompts", default="humaneval,humaneval-fresh,code-edit")
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--suffix-plans", default=",".join(SUFFIX_PLANS), help="which of the suffix drafter's plans run")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    drafters = {"suffix": ("  model: suffix\n  ngram: {recent_output_tokens: 0}", SUFFIX_PLANS)}
+    suffix_plans = {name: SUFFIX_PLANS[name] for name in args.suffix_plans.split(",")}
+    drafters = {"suffix": ("  model: suffix\n  ngram: {recent_output_tokens: 0}", suffix_plans)}
     if args.smollm2:
         drafters["smollm2"] = (f"  model: {{source: {args.smollm2}, dtype: bfloat16, device: {args.device}}}\n  tokenizer: own",
                                SMOLLM2_PLANS)

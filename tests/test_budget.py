@@ -452,3 +452,37 @@ def test_a_round_stopped_early_says_nothing_of_the_depths_it_never_reached():
     assert controller.kept_at[1].weights > controller.kept_at[2].weights and 5 not in controller.kept_at
     assert controller.expected_accepted(Plan(8)) > 7.0
     assert controller.expected_accepted(Plan(4)) == pytest.approx(controller.expected_accepted(Plan(8)) / 2, rel=0.1)
+
+
+class SparseMatchWorld(World):
+    """An n-gram drafter on text it rarely finds in its context: a share `empty` of its drafts
+    propose nothing, and those rounds bring the verifier's one token for the whole round trip
+    to both services; a drafted round accepts a chain of 3. Like the GPU measured (a 5 ms pass,
+    ~3 ms of round trips) when `rtt_ms` is large beside the pass, like the CPU when it is small."""
+
+    def __init__(self, empty: float, pass_ms: float, rtt_ms: float, seed: int = 0):
+        super().__init__(1.0, rtt_ms, seed)
+        self.empty, self.pass_ms = empty, pass_ms
+
+    def verify_ms(self, tokens: int) -> float:
+        return self.pass_ms * (1 + 0.05 * (tokens - 1))
+
+    def round(self, plan: Plan) -> RoundReport:
+        if plan.budget and self.random.random() < self.empty:
+            return RoundReport(plan=Plan(0), accepted=0, depth=0, verified_tokens=1, draft_ms=0.05, verify_ms=self.pass_ms,
+                               draft_wire_ms=self.rtt_ms / 2, verify_wire_ms=self.rtt_ms / 2, drafted_nothing=plan)
+        report = super().round(plan)
+        if plan.budget:
+            report.accepted, report.draft_ms = min(3, report.depth), 0.05
+        return report
+
+
+@pytest.mark.parametrize("empty,pass_ms,rtt_ms,speculates", [
+    (0.85, 5.0, 6.0, False),  # fresh text on a GPU: the verifier's fused blocks
+    (0.85, 50.0, 4.0, True),  # fresh text on this CPU: a round trip is little beside a pass
+    (0.3, 5.0, 6.0, True),  # copied text on a GPU: the drafts that come pay for the empty ones
+])
+def test_plans_whose_drafts_come_back_empty_are_priced_by_their_empty_rounds(empty, pass_ms, rtt_ms, speculates):
+    controller = BudgetController(PLANS, FUSED_BLOCK, revisit_every=16)
+    world = SparseMatchWorld(empty, pass_ms, rtt_ms)
+    assert (preferred(settle(controller, world, rounds=600)).budget > 0) == speculates
