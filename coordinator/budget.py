@@ -197,7 +197,6 @@ class BudgetController:
         self.revisit_every = revisit_every
         self.kept_at: dict[int, Ema] = {}  # chains: depth d -> P(accepted >= d | accepted >= d - 1)
         self.tree_accepted = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}
-        self.empty = {p: Ema(self.ACCEPTANCE_DECAY) for p in self.plans}  # the share of a plan's drafts that proposed nothing
         self.draft_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}
         self.pass_ms = PassCost(self.COMPUTE_DECAY)  # by the rows of the pass, all sessions'
         self.verify_extra_ms = {p: Ema(self.COMPUTE_DECAY) for p in self.plans}  # X(b): per session, beyond a one-row pass
@@ -246,19 +245,13 @@ class BudgetController:
             step = self.pass_ms(round(sessions)) or 1.0
             return self.fused_block / (self.fused_block * step + self.verify_wire_ms.get(0.0) + self.own_ms[False].get(0.0)) * 1e3
         accepted = self.expected_accepted(plan)
-        # A draft that proposes nothing (an n-gram drafter on fresh text) still costs the round
-        # trip to both services, and the round brings one token: where most drafts are empty and
-        # a round trip is dear beside a pass (a GPU's), the verifier's fused blocks win.
-        empty = self.empty[plan].get(0.0)
         # X(b) >= 0: a plan's verify call holds a verifier-alone pass; a noisy negative estimate
         # would price a one-token chain under the verifier alone.
-        extra = (1 - empty) * sessions * max(self.verify_extra_ms[plan].get(0.0), 0.0)
-        own = (1 - empty) * self.own_ms[True].get(0.0) + empty * self.own_ms[False].get(0.0)
+        verify = (self.pass_ms(round(sessions)) or 0.0) + sessions * max(self.verify_extra_ms[plan].get(0.0), 0.0)
         seconds_ms = (
-            self.draft_ms[plan].get(0.0) + (self.pass_ms(round(sessions)) or 0.0) + extra + own
-            + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0)
+            self.draft_ms[plan].get(0.0) + verify + self.draft_wire_ms.get(0.0) + self.verify_wire_ms.get(0.0) + self.own_ms[True].get(0.0)
         )
-        return ((1 - empty) * (accepted + 1) + empty) / max(seconds_ms, 1e-6) * 1e3
+        return (accepted + 1) / max(seconds_ms, 1e-6) * 1e3
 
     def choose(self) -> Plan:
         if not self._lock.acquire(blocking=False):
@@ -350,21 +343,90 @@ class BudgetController:
             if plan.budget:
                 self.draft_wire_ms.add(report.draft_wire_ms)
                 self.draft_ms[plan].add(report.draft_ms)
-        if report.drafted_nothing is not None:
-            asked = report.drafted_nothing
-            self.empty[asked].add(1.0)
-            if not report.opened:
-                self.draft_wire_ms.add(report.draft_wire_ms)
-                self.draft_ms[asked].add(report.draft_ms)
+        if report.drafted_nothing is not None and not report.opened:  # a plan's draft costs what it costs, empty or not
+            self.draft_wire_ms.add(report.draft_wire_ms)
+            self.draft_ms[report.drafted_nothing].add(report.draft_ms)
         if plan.budget == 0:
             return
-        self.empty[plan].add(0.0)
         self._accepted.clear()
         if plan.profiled:
             for d in range(1, min(report.depth, report.accepted + 1) + 1):  # the depths the round reached
                 self.kept_at.setdefault(d, Ema(self.ACCEPTANCE_DECAY)).add(float(report.accepted >= d))
         else:
             self.tree_accepted[plan].add(report.accepted)
+
+
+class AskCosts:
+    """What asking the drafter costs, measured over all requests (thread-safe, one per
+    coordinator): a round whose draft proposed nothing pays for the ask (the draft call, both
+    hops, the coordinator's own work) beside the verifier's passes, and a token costs its pass
+    when the verifier goes alone, its share of the round when speculating."""
+
+    def __init__(self, decay: float = BudgetController.COMPUTE_DECAY):
+        self.ask_ms, self.alone_token_ms, self.speculated_token_ms = Ema(decay), Ema(decay), Ema(decay)
+        self._lock = threading.Lock()
+
+    def observe(self, report: RoundReport) -> None:
+        if report.opened or not report.wall_ms:
+            return
+        with self._lock:
+            if report.drafted_nothing is not None:
+                self.ask_ms.add(report.wall_ms - report.verify_ms)
+                self.alone_token_ms.add(report.verify_ms / report.passes)
+            elif report.plan.budget:
+                self.speculated_token_ms.add(report.wall_ms / (report.accepted + 1))
+
+    def now(self) -> tuple[float, float] | None:
+        """(ask, gain): an ask's cost, and what a token speculated saves over one generated alone
+        (0 where speculating costs more); None until both kinds of round were measured."""
+        with self._lock:
+            ask, alone, speculated = self.ask_ms.value, self.alone_token_ms.value, self.speculated_token_ms.value
+        if ask is None or alone is None or speculated is None:
+            return None
+        return max(ask, 0.0), max(alone - speculated, 0.0)
+
+
+class EmptyDraftBlocks:
+    """One request's answer to a draft that proposed nothing (an n-gram drafter without a match):
+    how many tokens the verifier generates alone before the drafter is asked again. Another token
+    in the block saves an ask but is generated alone even where a copied run started at one of
+    the positions before it, which a draft would have matched: worth it while the ask costs more
+    than `hazard` x `gain` per position already in the block, so a block is 1 + ask / (hazard x
+    gain) tokens, within [1, limit]. Costs are the coordinator's (AskCosts); the hazard, the
+    chance that a position starts a run, is the request's: whether its text copies its context.
+    On this CPU an ask is ~4 ms beside a 50 ms pass and blocks stay at one token; on a GPU it is
+    ~3 ms beside a 5 ms pass, and fresh text goes to the verifier's full blocks."""
+
+    DECAY = 0.8  # the request's text changes its mind (a copied function, then fresh text)
+    PRIOR_ASKS = 2.0  # a prior of two asks after one token each, one of which found a draft
+
+    def __init__(self, costs: AskCosts, limit: int):
+        self.costs, self.limit = costs, limit
+        self.asks, self.found, self.positions = 0.0, 0.0, 0.0  # decayed sums over the request's asks
+
+    @property
+    def hazard(self) -> float:
+        """From the share of asks that found a draft after blocks of b tokens on average: a run
+        starts at each position with chance h, so an ask finds one with chance 1 - (1 - h)^b."""
+        asks = self.asks + self.PRIOR_ASKS
+        found = (self.found + self.PRIOR_ASKS / 2) / asks
+        block = (self.positions + self.PRIOR_ASKS) / asks
+        return 1 - (1 - found) ** (1 / block)
+
+    def asked(self, block: int, found: bool) -> None:
+        """The drafter asked after `block` tokens generated alone; whether it found a draft."""
+        self.asks = self.DECAY * self.asks + 1
+        self.found = self.DECAY * self.found + found
+        self.positions = self.DECAY * self.positions + block
+
+    def length(self) -> int:
+        costs = self.costs.now()
+        if costs is None:
+            return 1
+        ask, gain = costs
+        if gain <= 0:
+            return self.limit
+        return max(1, min(self.limit, 1 + int(ask / (self.hazard * gain))))
 
 
 class VerifyCosts:

@@ -11,6 +11,7 @@ from typing import Iterator, Protocol
 import grpc
 
 from coordinator.budget import (
+    EmptyDraftBlocks,
     Plan,
     RoundReport,
     VerifyCosts,
@@ -219,6 +220,7 @@ def decode_rounds(
     costs: VerifyCosts,
     overlap: ThreadPoolExecutor | None = None,
     forced_drafts: bool = False,
+    blocks: EmptyDraftBlocks | None = None,
 ) -> Iterator[tuple[list[int], RoundReport]]:
     """Yields each round's newly committed tokens (accepted drafts, then the verifier's own
     token) and its report until max_new_tokens are out; the caller stops early on EOS or a stop string.
@@ -229,19 +231,27 @@ def decode_rounds(
     true, the next round starts without waiting for the drafter. A draft whose nodes carry
     confidences is cut to the nodes worth their verify cost (`costs`, measured every round).
     `forced_drafts` (a constrained request that speculates): the tokens its grammar forces are
-    drafted too, before a drafter's draft and within the verifier's fused generation."""
+    drafted too, before a drafter's draft and within the verifier's fused generation. Where a
+    draft proposes nothing (an n-gram drafter without a match) the drafter is asked again after
+    a token, or after as many as `blocks` finds worth it."""
     rounds = _Rounds(session, shape, meter, costs, overlap, forced_drafts)
-    generated = 0
+    generated, block = 0, 0  # block: the verifier's tokens since a draft that proposed nothing
     while generated < max_new_tokens:
         remaining = max_new_tokens - generated
         drafted, plan = rounds.draft(rounds.plan(policy), remaining)
-        if drafted is not None and drafted.draft.tree.token_ids:
+        found = drafted is not None and bool(drafted.draft.tree.token_ids)
+        if blocks is not None and drafted is not None and block:
+            blocks.asked(block, found)
+        if found:
             report, verdict, verify_call = rounds.verify_draft(plan, drafted)
         else:  # the verifier alone: by plan, with nothing drafted, or without a drafter
-            # Nothing to propose (an n-gram drafter without a match): ask again after a token.
-            fused = 1 if drafted is not None else min(fused_block, remaining)
+            asked = drafted is not None
+            fused = min(fused_block if not asked else blocks.length() if blocks is not None else 1, remaining)
             report, verdict, verify_call = rounds.verify_alone(plan, fused, drafted)
         rounds.account(policy, report, drafted, verify_call)
+        if blocks is not None:
+            blocks.costs.observe(report)
+        block = len(verdict.token_ids) if not found and drafted is not None else 0
         generated += len(verdict.token_ids)
         yield list(verdict.token_ids), report
 

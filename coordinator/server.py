@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from coordinator.budget import BudgetController, Plan, RoundReport, VerifyCosts
+from coordinator.budget import AskCosts, BudgetController, EmptyDraftBlocks, Plan, RoundReport, VerifyCosts
 from coordinator.clients import PairSession, Replicas, ServicePair
 from coordinator.decoding import FixedPolicy, Meter, decode_rounds
 from coordinator.output import OutputTracker
@@ -81,6 +81,7 @@ class Coordinator:
         # Greedy and sampled decoding accept differently, and overlap hides the drafter's
         # cost: one cost model for each combination.
         self.verify_costs = VerifyCosts()  # what the verifier's calls cost, by size: n-gram drafts are cut to it
+        self.ask_costs = AskCosts()  # what asking the drafter costs: adaptive requests size the verifier's blocks after empty drafts by it
         self.in_flight = 0  # requests holding a slot: the load the controllers price
         self.controllers = {
             (greedy, overlap): BudgetController(plans, config.fused_block_tokens, adaptive.revisit_every, lambda: self.in_flight)
@@ -234,6 +235,7 @@ class Coordinator:
             for committed, report in decode_rounds(
                 session, policy, settings.tree, self.config.fused_block_tokens, max_new, meter, self.verify_costs, pool,
                 forced_drafts=grammar is not None and (adaptive or budget > 0),  # budget 0 asks for the verifier alone
+                blocks=EmptyDraftBlocks(self.ask_costs, self.config.fused_block_tokens) if adaptive else None,
             ):
                 kept = output.add(committed, report.accepted)
                 rounds.append(_round_info(report, kept))

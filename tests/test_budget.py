@@ -12,7 +12,9 @@ from collections import Counter
 import pytest
 
 from coordinator.budget import (
+    AskCosts,
     BudgetController,
+    EmptyDraftBlocks,
     PassCost,
     Plan,
     RoundReport,
@@ -454,35 +456,55 @@ def test_a_round_stopped_early_says_nothing_of_the_depths_it_never_reached():
     assert controller.expected_accepted(Plan(4)) == pytest.approx(controller.expected_accepted(Plan(8)) / 2, rel=0.1)
 
 
-class SparseMatchWorld(World):
-    """An n-gram drafter on text it rarely finds in its context: a share `empty` of its drafts
-    propose nothing, and those rounds bring the verifier's one token for the whole round trip
-    to both services; a drafted round accepts a chain of 3. Like the GPU measured (a 5 ms pass,
-    ~3 ms of round trips) when `rtt_ms` is large beside the pass, like the CPU when it is small."""
 
-    def __init__(self, empty: float, pass_ms: float, rtt_ms: float, seed: int = 0):
-        super().__init__(1.0, rtt_ms, seed)
-        self.empty, self.pass_ms = empty, pass_ms
-
-    def verify_ms(self, tokens: int) -> float:
-        return self.pass_ms * (1 + 0.05 * (tokens - 1))
-
-    def round(self, plan: Plan) -> RoundReport:
-        if plan.budget and self.random.random() < self.empty:
-            return RoundReport(plan=Plan(0), accepted=0, depth=0, verified_tokens=1, draft_ms=0.05, verify_ms=self.pass_ms,
-                               draft_wire_ms=self.rtt_ms / 2, verify_wire_ms=self.rtt_ms / 2, drafted_nothing=plan)
-        report = super().round(plan)
-        if plan.budget:
-            report.accepted, report.draft_ms = min(3, report.depth), 0.05
-        return report
+def ask_costs(ask_ms: float, alone_ms: float, speculated_ms: float) -> AskCosts:
+    """Costs as AskCosts measures them: a round whose draft proposed nothing (one token, its
+    pass `alone_ms` and the ask), and a speculative round (three tokens, `speculated_ms` each)."""
+    costs = AskCosts()
+    for _ in range(5):
+        costs.observe(RoundReport(plan=Plan(0), accepted=0, depth=0, verified_tokens=1, draft_ms=0.1, verify_ms=alone_ms,
+                                  draft_wire_ms=0.0, verify_wire_ms=0.0, wall_ms=alone_ms + ask_ms, drafted_nothing=Plan(8)))
+        costs.observe(RoundReport(plan=Plan(8), accepted=2, depth=8, verified_tokens=9, draft_ms=0.1, verify_ms=alone_ms,
+                                  draft_wire_ms=0.0, verify_wire_ms=0.0, wall_ms=3 * speculated_ms))
+    return costs
 
 
-@pytest.mark.parametrize("empty,pass_ms,rtt_ms,speculates", [
-    (0.85, 5.0, 6.0, False),  # fresh text on a GPU: the verifier's fused blocks
-    (0.85, 50.0, 4.0, True),  # fresh text on this CPU: a round trip is little beside a pass
-    (0.3, 5.0, 6.0, True),  # copied text on a GPU: the drafts that come pay for the empty ones
-])
-def test_plans_whose_drafts_come_back_empty_are_priced_by_their_empty_rounds(empty, pass_ms, rtt_ms, speculates):
-    controller = BudgetController(PLANS, FUSED_BLOCK, revisit_every=16)
-    world = SparseMatchWorld(empty, pass_ms, rtt_ms)
-    assert (preferred(settle(controller, world, rounds=600)).budget > 0) == speculates
+def test_after_an_empty_draft_the_drafter_is_asked_again_after_one_token_until_costs_are_known():
+    blocks = EmptyDraftBlocks(AskCosts(), limit=8)
+    assert blocks.length() == 1
+
+
+def test_where_an_ask_is_cheap_beside_a_pass_the_drafter_is_asked_after_every_token():
+    # This CPU: an ask ~4 ms beside a 50 ms pass, a speculated token ~13 ms; even a request that
+    # has found nothing for many asks keeps asking after every token.
+    blocks = EmptyDraftBlocks(ask_costs(4.0, 50.0, 13.0), limit=8)
+    assert blocks.length() == 1
+    for _ in range(30):
+        blocks.asked(blocks.length(), found=False)
+    assert blocks.length() == 1
+
+
+def test_where_speculating_saves_nothing_the_verifier_goes_alone_for_whole_blocks():
+    # A GPU on fresh text: a 5 ms pass, an ask ~3 ms, and the few drafts that come cost more a token than the pass.
+    blocks = EmptyDraftBlocks(ask_costs(3.0, 5.0, 6.0), limit=8)
+    assert blocks.length() == 8
+
+
+def test_blocks_follow_the_requests_own_runs():
+    # A GPU on copied text: a speculated token 2.5 ms against a 5 ms pass. Blocks grow while the
+    # request's asks find nothing, and shrink once its text starts copying its context again.
+    blocks = EmptyDraftBlocks(ask_costs(3.0, 5.0, 2.5), limit=8)
+    assert 1 < blocks.length() < 8
+    for _ in range(10):
+        blocks.asked(blocks.length(), found=False)
+    assert blocks.length() == 8
+    for _ in range(12):
+        blocks.asked(blocks.length(), found=True)
+    assert blocks.length() <= 5
+
+
+def test_ask_costs_skip_rounds_that_read_a_prompt():
+    costs = AskCosts()
+    costs.observe(RoundReport(plan=Plan(0), accepted=0, depth=0, verified_tokens=1, draft_ms=0.1, verify_ms=900.0, draft_wire_ms=0.0,
+                              verify_wire_ms=0.0, wall_ms=1000.0, opened=True, drafted_nothing=Plan(8)))
+    assert costs.now() is None
