@@ -245,9 +245,11 @@ def decode_rounds(
         if found:
             report, verdict, verify_call = rounds.verify_draft(plan, drafted)
         else:  # the verifier alone: by plan, with nothing drafted, or without a drafter
-            asked = drafted is not None
-            fused = min(fused_block if not asked else blocks.length() if blocks is not None else 1, remaining)
-            report, verdict, verify_call = rounds.verify_alone(plan, fused, drafted)
+            if drafted is None:
+                fused = fused_block
+            else:  # nothing to propose (an n-gram drafter without a match): ask again after a token, or a block
+                fused = blocks.length() if blocks is not None else 1
+            report, verdict, verify_call = rounds.verify_alone(plan, min(fused, remaining), drafted)
         rounds.account(policy, report, drafted, verify_call)
         if blocks is not None:
             blocks.costs.observe(report)
