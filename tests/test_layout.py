@@ -78,6 +78,15 @@ def test_serving_needs_no_bench_or_train():
     assert not [m for m in reached if m.startswith(("specdec.bench", "specdec.train"))]
 
 
+def test_the_plain_servers_run_without_ray():
+    """`python -m verifier_service`, `drafter_service` and `coordinator` serve where Ray is not
+    installed (a GPU machine's image, say): their imports reach no Ray, the composition root included."""
+    modules = ["verifier_service.server", "drafter_service.server", "coordinator.server", "specdec.serving.service_main", "specdec.app"]
+    code = "import sys; sys.modules['ray'] = None\n" + "".join(f"import {m}\n" for m in modules)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 # Layers from the bottom: nothing imports a layer above its own, and the services (the two
 # model services and the coordinator) know each other only by their protos. The composition root
 # (`specdec.app`: the Serve app and the launcher; each package's `python -m` entry point) builds
