@@ -360,10 +360,12 @@ class AskCosts:
     """What asking the drafter costs, measured over all requests (thread-safe, one per
     coordinator): a round whose draft proposed nothing pays for the ask (the draft call, both
     hops, the coordinator's own work) beside the verifier's passes, and a token costs its pass
-    when the verifier goes alone, its share of the round when speculating."""
+    when the verifier goes alone (`verify`'s one-token passes), its share of the round when
+    speculating."""
 
-    def __init__(self, decay: float = BudgetController.COMPUTE_DECAY):
-        self.ask_ms, self.alone_token_ms, self.speculated_token_ms = Ema(decay), Ema(decay), Ema(decay)
+    def __init__(self, verify: VerifyCosts, decay: float = BudgetController.COMPUTE_DECAY):
+        self.verify = verify
+        self.ask_ms, self.speculated_token_ms = Ema(decay), Ema(decay)
         self._lock = threading.Lock()
 
     def observe(self, report: RoundReport) -> None:
@@ -372,7 +374,6 @@ class AskCosts:
         with self._lock:
             if report.drafted_nothing is not None:
                 self.ask_ms.add(report.wall_ms - report.verify_ms)
-                self.alone_token_ms.add(report.verify_ms / report.passes)
             elif report.plan.budget:
                 self.speculated_token_ms.add(report.wall_ms / (report.accepted + 1))
 
@@ -380,7 +381,8 @@ class AskCosts:
         """(ask, gain): an ask's cost, and what a token speculated saves over one generated alone
         (0 where speculating costs more); None until both kinds of round were measured."""
         with self._lock:
-            ask, alone, speculated = self.ask_ms.value, self.alone_token_ms.value, self.speculated_token_ms.value
+            ask, speculated = self.ask_ms.value, self.speculated_token_ms.value
+        alone = self.verify.one_token_ms()
         if ask is None or alone is None or speculated is None:
             return None
         return max(ask, 0.0), max(alone - speculated, 0.0)
@@ -445,6 +447,12 @@ class VerifyCosts:
         with self._lock:
             self.by_size.setdefault(fed, Ema(self.decay)).add(compute_ms / generated)
             self.wire_ms.add(wire_ms)
+
+    def one_token_ms(self) -> float | None:
+        """The compute of a pass that makes one token (the verifier alone's), None before one was measured."""
+        with self._lock:
+            one = self.by_size.get(1)
+            return one.value if one is not None else None
 
     def round_ms(self, fed: int) -> float | None:
         """Compute plus wire for a call fed `fed` tokens: interpolated between the nearest

@@ -81,7 +81,8 @@ class Coordinator:
         # Greedy and sampled decoding accept differently, and overlap hides the drafter's
         # cost: one cost model for each combination.
         self.verify_costs = VerifyCosts()  # what the verifier's calls cost, by size: n-gram drafts are cut to it
-        self.ask_costs = AskCosts()  # what asking the drafter costs: adaptive requests size the verifier's blocks after empty drafts by it
+        # What asking the drafter costs: adaptive requests size the verifier's blocks after empty drafts by it.
+        self.ask_costs = AskCosts(self.verify_costs)
         self.in_flight = 0  # requests holding a slot: the load the controllers price
         self.controllers = {
             (greedy, overlap): BudgetController(plans, config.fused_block_tokens, adaptive.revisit_every, lambda: self.in_flight)

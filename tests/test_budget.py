@@ -460,8 +460,9 @@ def test_a_round_stopped_early_says_nothing_of_the_depths_it_never_reached():
 def ask_costs(ask_ms: float, alone_ms: float, speculated_ms: float) -> AskCosts:
     """Costs as AskCosts measures them: a round whose draft proposed nothing (one token, its
     pass `alone_ms` and the ask), and a speculative round (three tokens, `speculated_ms` each)."""
-    costs = AskCosts()
+    costs = AskCosts(VerifyCosts())
     for _ in range(5):
+        costs.verify.observe(1, alone_ms, 0.0)
         costs.observe(RoundReport(plan=Plan(0), accepted=0, depth=0, verified_tokens=1, draft_ms=0.1, verify_ms=alone_ms,
                                   draft_wire_ms=0.0, verify_wire_ms=0.0, wall_ms=alone_ms + ask_ms, drafted_nothing=Plan(8)))
         costs.observe(RoundReport(plan=Plan(8), accepted=2, depth=8, verified_tokens=9, draft_ms=0.1, verify_ms=alone_ms,
@@ -470,7 +471,7 @@ def ask_costs(ask_ms: float, alone_ms: float, speculated_ms: float) -> AskCosts:
 
 
 def test_after_an_empty_draft_the_drafter_is_asked_again_after_one_token_until_costs_are_known():
-    blocks = EmptyDraftBlocks(AskCosts(), limit=8)
+    blocks = EmptyDraftBlocks(AskCosts(VerifyCosts()), limit=8)
     assert blocks.length() == 1
 
 
@@ -504,7 +505,7 @@ def test_blocks_follow_the_requests_own_runs():
 
 
 def test_ask_costs_skip_rounds_that_read_a_prompt():
-    costs = AskCosts()
+    costs = AskCosts(VerifyCosts())
     costs.observe(RoundReport(plan=Plan(0), accepted=0, depth=0, verified_tokens=1, draft_ms=0.1, verify_ms=900.0, draft_wire_ms=0.0,
                               verify_wire_ms=0.0, wall_ms=1000.0, opened=True, drafted_nothing=Plan(8)))
     assert costs.now() is None
