@@ -6,7 +6,7 @@ import importlib
 import os
 import signal
 import sys
-import threading
+import time
 from pathlib import Path
 
 from specdec.serving.cli_args import (
@@ -101,7 +101,8 @@ def cmd_serve(args) -> int:
 
             _demo(address, args.demo, server_token(config), server_ca(config))
         print("Ctrl-C to stop.", flush=True)
-        threading.Event().wait()
+        while True:  # timed: a signal the kernel hands to another thread still reaches the handler within a second
+            time.sleep(1)
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
     finally:

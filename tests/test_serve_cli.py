@@ -24,7 +24,11 @@ def test_the_demo_prints_the_speedup_line_and_ctrl_c_stops_cleanly():
         str(specdec), "serve", "--config", "deploy/smollm2.yaml", "--demo",
         "--port", str(free_port()), "--http-port", str(free_port()), "--grpc-proxy-port", str(free_port()),
     ]
-    server = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # Python's fault handler on: a stop that hangs is ended with SIGABRT, which prints every thread's stack.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    server = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     lines = []
     try:
         for line in server.stdout:
@@ -34,7 +38,12 @@ def test_the_demo_prints_the_speedup_line_and_ctrl_c_stops_cleanly():
         ready = len(lines)
         os.killpg(server.pid, signal.SIGINT)
         started = time.monotonic()
-        rest, _ = server.communicate(timeout=120)
+        try:
+            rest, _ = server.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.send_signal(signal.SIGABRT)
+            rest, _ = server.communicate(timeout=30)
+            pytest.fail("the stop hung for 120 s; the stacks at SIGABRT:\n" + "".join(lines[-20:]) + rest)
         lines += rest.splitlines(keepends=True)
         assert server.returncode == 0, "".join(lines)
     finally:
