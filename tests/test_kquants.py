@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-from specdec.core.blocks import BLOCK_FORMATS, FILE_BLOCK_TYPES, BlockLinear, dequantize_blocks, file_blocks
+from specdec.core.blocks import BLOCK_FORMATS, FILE_BLOCK_TYPES, BlockLinear, dequantize_blocks, file_blocks, packed_bits
 from specdec.core.engine import ForwardCall, LlamaEngine
 from specdec.core.gguf_file import gguf_tensors
 from specdec.core.hub import load_model_weights_only
@@ -56,9 +56,28 @@ def test_file_blocks_dequantize_as_gguf_py_does(kind):
     expected = quants.dequantize(raw, getattr(GGMLQuantizationType, kind))
     q, d, m, bits = file_blocks(raw, kind)
     assert np.array_equal(dequantize_blocks(q, d, m).numpy().view(np.uint32), expected.view(np.uint32))
-    assert bits == (8 if kind in ("Q5_0", "Q8_0") else 4) and int(q.max()) < 2**bits
+    assert bits == {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8}[kind] and int(q.max()) < 2**bits
     layer = BlockLinear.from_file_blocks(raw, kind)  # packed as the kernel reads them, and back
     assert np.array_equal(layer.dequantized_weight().numpy().view(np.uint32), expected.view(np.uint32))
+
+
+def test_five_bit_blocks_multiply_as_the_torch_ops_and_each_row_alone():
+    """Q5_0 in its 5-bit blocks, alone and fused beside a 4-bit part (5 bits) and an 8-bit one
+    (8 bits): each row's sums are the torch ops' to rounding, alone as in any pass."""
+    five = BlockLinear.from_file_blocks(raw_blocks("Q5_0", 40, 512, seed=6), "Q5_0", torch.randn(40))
+    four = BlockLinear.from_file_blocks(raw_blocks("Q4_0", 24, 512, seed=7), "Q4_0", torch.randn(24))
+    eight = BlockLinear.from_file_blocks(raw_blocks("Q8_0", 20, 512, seed=8), "Q8_0", torch.randn(20))
+    torch.manual_seed(2)
+    x = torch.randn(19, 512) * 3
+    for layer in (five, BlockLinear.side_by_side([four, five]), BlockLinear.side_by_side([five, eight])):
+        assert layer.kernels is not None
+        native = layer(x)
+        assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(len(x))]), native)
+        reference = layer._torch_forward(x)
+        assert torch.allclose(native, reference, rtol=1e-5, atol=1e-4 * reference.abs().max().item())
+    assert packed_bits(BlockLinear.side_by_side([four, five]).packed) == 5
+    assert packed_bits(BlockLinear.side_by_side([five, eight]).packed) == 8
+    assert torch.equal(BlockLinear.side_by_side([four, five, eight])(x), torch.cat([four(x), five(x), eight(x)], dim=1))
 
 
 def mixed_layer(seed: int) -> tuple[KQuantLinear, KQuantLinear, KQuantLinear]:
@@ -103,6 +122,7 @@ def test_every_instruction_set_computes_the_same_bits():
     fused, _, _ = mixed_layer(seed=3)
     layers = {"Q4_K|Q6_K": fused, "int8": Int8Linear.from_linear(torch.nn.Linear(768, 200))}
     layers.update({f: BlockLinear.from_linear(torch.nn.Linear(768, 200), f) for f in BLOCK_FORMATS})
+    layers["Q5_0"] = BlockLinear.from_file_blocks(raw_blocks("Q5_0", 200, 768, seed=4), "Q5_0", torch.randn(200))
     torch.manual_seed(1)
     x = torch.randn(19, 768) * 3
     for name, layer in layers.items():

@@ -8,7 +8,8 @@ one. A weight matrix is quantized to blocks the way llama.cpp's reference quanti
 dequantized weights of a GGUF file in one of these formats give its own blocks back: the model
 served is the file's model as written. A GGUF file's own blocks are also read as they are
 (`file_blocks`, for the weight format `gguf`): Q4_0, Q4_1 and Q8_0 as above, and Q5_0 (q in
-[0, 31], w = d (q - 16)) held as 8-bit blocks, q - 16 + 128 with m = -128 d.
+[0, 31], w = d (q - 16), so m = -16 d) in 5-bit blocks: the 4-bit layout's nibbles and a plane of
+fifth bits, 0.75 bytes a weight where 8-bit blocks would read 1.125.
 
 Activations are int8 in blocks of 32 with a scale each (as GGUF's Q8 activations), so
   sum x w = sum over blocks of float(sum q xq) (d s) + m (s sum xq),
@@ -68,6 +69,7 @@ def file_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor,
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    bits = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8}[kind]
     if kind == "Q8_0":
         q, m = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128, -128 * d
     else:
@@ -79,12 +81,12 @@ def file_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor,
             m = -8 * d
         else:  # Q5_0: bit j of a little-endian 32-bit word is weight j's fifth
             fifth = (blocks[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
-            q, m = (q | (fifth << 4)) - 16 + 128, -128 * d
+            q, m = q | (fifth << 4), -16 * d
     if not np.isfinite(m.astype(np.float16)).all():
         raise ValueError(f"a {kind} block's d is too large to serve (its m overflows float16)")
     arrays = (q.astype(np.uint8).reshape(n, -1), d.astype(np.float16), m.astype(np.float16))
     q, d, m = (torch.from_numpy(np.ascontiguousarray(t)) for t in arrays)
-    return q, d, m, 8 if kind in ("Q5_0", "Q8_0") else 4
+    return q, d, m, bits
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -112,31 +114,43 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.
     """The native kernel's layout, one stream of blocks [N/16, K/32, bytes]: 16 channels'
     weights in the order VNNI's 4-way dot product reads them, then their 16 d and 16 m in
     float16. 8 bits: byte (i, c, j) is input 4i + j of channel c (512 bytes); 4 bits: the same
-    byte holds input 4i + j in its low nibble and 16 + 4i + j in its high one (256 bytes).
-    Channels padded to 16 with zeros."""
+    byte holds input 4i + j in its low nibble and 16 + 4i + j in its high one (256 bytes);
+    5 bits: those nibbles, then per step i a 64-bit little-endian word whose bit 4c + j is input
+    4i + j's fifth (64 bytes: the step's byte mask). Channels padded to 16 with zeros."""
     n_pad = -q.shape[0] % _CHANNELS
     q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, n_pad)) for t in (q, d, m))
     groups, k_blocks = q.shape[0] // _CHANNELS, d.shape[1]
     steps = q.view(groups, _CHANNELS, k_blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [groups, blocks, step, channel, 4]
-    if bits == 4:
-        steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
-    weights = steps.reshape(groups, k_blocks, weight_bytes(bits))
+    if bits == 8:
+        weights = steps.reshape(groups, k_blocks, weight_bytes(8))
+    else:
+        nibbles = (steps & 0x0F)[:, :, :4] | ((steps & 0x0F)[:, :, 4:] << 4)
+        weights = nibbles.reshape(groups, k_blocks, weight_bytes(4))
+        if bits == 5:
+            fifths = (steps >> 4).reshape(groups, k_blocks, 8 * 8, 8) << torch.arange(8, dtype=torch.uint8)
+            weights = torch.cat([weights, fifths.sum(-1, dtype=torch.uint8)], dim=-1)
     scales = [t.view(groups, _CHANNELS, k_blocks).transpose(1, 2).contiguous().view(torch.uint8) for t in (d, m)]
     return torch.cat([weights, *scales], dim=-1).contiguous()
 
 
 def packed_bits(packed: torch.Tensor) -> int:
     """The bits a weight of a packed tensor takes."""
-    return 8 if packed.shape[-1] == block_bytes(8) else 4
+    return {block_bytes(bits): bits for bits in (4, 5, 8)}[packed.shape[-1]]
 
 
 def unpack(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pack's inverse, (q, d, m) of the first n channels."""
     groups, k_blocks = packed.shape[:2]
-    size = weight_bytes(packed_bits(packed))
-    steps = packed[..., :size].reshape(groups, k_blocks, size // 64, _CHANNELS, 4)
-    if size == weight_bytes(4):
-        steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)  # [groups, blocks, 8, channel, 4]
+    bits = packed_bits(packed)
+    size = weight_bytes(bits)
+    if bits == 8:
+        steps = packed[..., :size].reshape(groups, k_blocks, 8, _CHANNELS, 4)
+    else:
+        nibbles = packed[..., : weight_bytes(4)].reshape(groups, k_blocks, 4, _CHANNELS, 4)
+        steps = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)  # [groups, blocks, 8, channel, 4]
+        if bits == 5:
+            fifths = (packed[..., weight_bytes(4) : size, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+            steps = steps | (fifths.reshape(steps.shape) << 4)
     q = steps.permute(0, 3, 1, 2, 4).reshape(groups * _CHANNELS, k_blocks * BLOCK)
     d, m = (packed[..., start : start + 2 * _CHANNELS].contiguous().view(torch.float16) for start in (size, size + 2 * _CHANNELS))
     by_channel = lambda t: t.transpose(1, 2).reshape(groups * _CHANNELS, k_blocks)  # noqa: E731
@@ -171,8 +185,8 @@ class BlockLinear(torch.nn.Module):
 
     @classmethod
     def side_by_side(cls, parts: list["BlockLinear"]) -> "BlockLinear":
-        """One layer computing several of the same input (q|k|v, gate|up): 8-bit blocks if any
-        part has them (a 4-bit q holds in 8 bits as it is)."""
+        """One layer computing several of the same input (q|k|v, gate|up), in the widest of its
+        parts' blocks (a narrower q holds in more bits as it is)."""
         blocks = [unpack(p.packed, p.out_features) for p in parts]
         biases = [p.bias for p in parts]
         bias = None if biases[0] is None else torch.cat(biases)

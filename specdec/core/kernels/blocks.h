@@ -1,19 +1,21 @@
-// GGUF's block formats: Q4_0, Q4_1, Q8_0 and Q5_0 held as 8-bit blocks (BlockLinear).
+// GGUF's block formats: Q4_0, Q4_1 (4-bit blocks), Q5_0 (5-bit) and Q8_0 (8-bit) (BlockLinear).
 // A part of engine_cpu.cpp's one translation unit, included there in order.
 #pragma once
 
 namespace {
 
 // Block weights as GGUF's Q4_0, Q4_1 and Q8_0 hold them: along K, blocks of 32 weights
-// w = d q + m with one float16 d and m per block and channel; q in [0, 15] (4 bits) or
-// [0, 255] (8 bits; Q8_0's signed q is q - 128, so m = -128 d; Q4_0: m = -8 d).
+// w = d q + m with one float16 d and m per block and channel; q in [0, 15] (4 bits), [0, 31]
+// (5 bits; Q5_0: m = -16 d) or [0, 255] (8 bits; Q8_0's signed q is q - 128, so m = -128 d;
+// Q4_0: m = -8 d).
 // Activations enter as int8 in blocks of 32 too, each block of a row with its own scale s, so
 //   sum_k x w = sum over blocks of (sum q xq) (d s) + m (s sum xq),
 // the integer sums exact and the float sum over a row's blocks taken in block order: a row's
 // result depends on that row alone.
 constexpr int64_t kQBlock = 32;  // weights per block along K
-// One block of 16 channels, one stream: their 512 weights (4 bits: 256 bytes of nibbles; 8 bits:
-// 512 bytes), then their 16 d and 16 m in float16.
+// One block of 16 channels, one stream: their 512 weights (4 bits: 256 bytes of nibbles; 5 bits:
+// those nibbles and 64 bytes of fifth bits, a 64-bit mask per step; 8 bits: 512 bytes), then
+// their 16 d and 16 m in float16.
 constexpr int64_t weight_bytes(int bits) { return bits * kQBlock * kBlock / 8; }
 constexpr int64_t block_bytes(int bits) { return weight_bytes(bits) + 2 * kBlock * 2; }
 // Per block of a row's activations: its scale s, s sum(xq), and sum(xq) (exact in a float).
@@ -81,12 +83,21 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
 #pragma GCC unroll 9
     for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 32 * kBytes + 64 * line), _MM_HINT_T1);
     __m512i steps[8];  // step i: inputs 4i..4i+3 of the block for the 16 channels, one byte each
-    if constexpr (Bits == 4) {
+    if constexpr (Bits != 8) {
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const __m512i packed = _mm512_loadu_si512(wb + i * 64);
         steps[i] = _mm512_and_si512(packed, low_nibbles);
         steps[i + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      }
+      if constexpr (Bits == 5) {
+        const __m512i sixteen = _mm512_set1_epi8(16);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          uint64_t fifths;
+          std::memcpy(&fifths, wb + 256 + 8 * i, 8);
+          steps[i] = _mm512_mask_add_epi8(steps[i], static_cast<__mmask64>(fifths), steps[i], sixteen);
+        }
       }
     } else {
 #pragma GCC unroll 8
@@ -121,6 +132,15 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  // a step half's 32 fifth bits to bytes: byte t takes bit t % 8 of the mask's byte t / 8
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit_of = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL)), sixteen = _mm256_set1_epi8(16);
+  const auto fifths_of = [&](const uint8_t* wb, int i, int h) {
+    int32_t mask;
+    std::memcpy(&mask, wb + 256 + 8 * i + 4 * h, 4);
+    const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(mask), spread), bit_of);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit_of), sixteen);
+  };
   constexpr int64_t kBytes = block_bytes(Bits);
   for (int64_t b = 0; b < k_blocks; ++b) {
     const uint8_t* wb = w + b * kBytes;
@@ -129,12 +149,14 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
     for (int line = 0; line < kBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kBytes + 64 * line), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       __m256i steps[8], signs[8];
-      if constexpr (Bits == 4) {
+      if constexpr (Bits != 8) {
         for (int i = 0; i < 4; ++i) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32));
           steps[i] = _mm256_and_si256(packed, low_nibbles);
           steps[i + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
         }
+        if constexpr (Bits == 5)
+          for (int i = 0; i < 8; ++i) steps[i] = _mm256_or_si256(steps[i], fifths_of(wb, i, h));
       } else {
         for (int i = 0; i < 8; ++i) {
           signs[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32)), offset);  // q - 128
@@ -173,9 +195,10 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
         for (int i = 0; i < 8; ++i)
           for (int j = 0; j < 4; ++j) {
             int32_t q;
-            if constexpr (Bits == 4) {
+            if constexpr (Bits != 8) {
               const uint8_t byte = w[b * block_bytes(Bits) + (i % 4) * 64 + c * 4 + j];
               q = i < 4 ? (byte & 0x0F) : (byte >> 4);
+              if constexpr (Bits == 5) q |= ((w[b * block_bytes(Bits) + 256 + i * 8 + (c * 4 + j) / 8] >> ((c * 4 + j) % 8)) & 1) << 4;
             } else {
               q = w[b * block_bytes(Bits) + i * 64 + c * 4 + j];
             }
@@ -192,7 +215,7 @@ void block_rows(const int8_t* x, int64_t x_stride, const float* xs, int64_t xs_s
 }
 
 // A block linear layer as BlockLinear holds it: blocks [N/16][K/32][block_bytes(bits)] (the
-// weights, then 16 d and 16 m in float16; 4 or 8 bits a weight, by the block's size) and an
+// weights, then 16 d and 16 m in float16; 4, 5 or 8 bits a weight, by the block's size) and an
 // optional bias. The same calls as Int8Layer: quantize the rows, then multiply (xq holds the
 // int8 rows, scales each row's block scales).
 struct BlockLayer {
@@ -203,9 +226,13 @@ struct BlockLayer {
 
   BlockLayer(const torch::Tensor& packed_, const torch::Tensor& bias_, int64_t n_)
       : packed(packed_.data_ptr<uint8_t>()), bias(bias_.defined() && bias_.numel() ? bias_.data_ptr<float>() : nullptr),
-        blocks(packed_.size(0)), k_blocks(packed_.size(1)), n(n_), bits(packed_.size(2) == block_bytes(8) ? 8 : 4) {
-    TORCH_CHECK(packed_.dtype() == torch::kUInt8 && packed_.dim() == 3 && (packed_.size(2) == block_bytes(4) || packed_.size(2) == block_bytes(8)),
-                "bad packed block weights");
+        blocks(packed_.size(0)), k_blocks(packed_.size(1)), n(n_), bits(bits_of(packed_)) {
+    TORCH_CHECK(packed_.dtype() == torch::kUInt8 && packed_.dim() == 3 && bits > 0, "bad packed block weights");
+  }
+
+  static int bits_of(const torch::Tensor& packed) {
+    const int64_t bytes = packed.dim() == 3 ? packed.size(2) : 0;
+    return bytes == block_bytes(4) ? 4 : bytes == block_bytes(5) ? 5 : bytes == block_bytes(8) ? 8 : 0;
   }
 
   int64_t k_pad() const { return k_blocks * kQBlock; }
@@ -226,6 +253,7 @@ struct BlockLayer {
 
   void multiply(const std::vector<uint8_t>& xq, const std::vector<float>& scales, int64_t rows, float* out) const {
     if (bits == 8) return multiply_bits<8>(xq, scales, rows, out);
+    if (bits == 5) return multiply_bits<5>(xq, scales, rows, out);
     multiply_bits<4>(xq, scales, rows, out);
   }
 

@@ -164,9 +164,8 @@ constexpr size_t kKeptElements = size_t(1) << 20;
 // values[i]), attending under masks[i] ([counts[i], starts[i] + counts[i]] bool; empty = causal).
 // Every row's result depends on that row and its own cache alone, so sequences batched
 // together get exactly what each gets alone. Returns the new x.
-// A linear of a GGUF file's layer, each tensor in its own format: blocks (q4_0, q4_1, q8_0, and
-// Q5_0 held as 8-bit blocks) or K-quants (Q4_K, Q6_K); a layer may mix them (a Q5_0 q|k|v beside a
-// Q6_K down).
+// A linear of a GGUF file's layer, each tensor in its own format: blocks (Q4_0, Q4_1, Q5_0, Q8_0)
+// or K-quants (Q4_K, Q6_K); a layer may mix them (a Q5_0 q|k|v beside a Q6_K down).
 struct GgufLayer {
   std::variant<BlockLayer, KQuantLayer> layer;
 
