@@ -68,11 +68,13 @@ def test_five_bit_blocks_multiply_as_the_torch_ops_and_each_row_alone():
     four = BlockLinear.from_file_blocks(raw_blocks("Q4_0", 24, 512, seed=7), "Q4_0", torch.randn(24))
     eight = BlockLinear.from_file_blocks(raw_blocks("Q8_0", 20, 512, seed=8), "Q8_0", torch.randn(20))
     torch.manual_seed(2)
-    x = torch.randn(19, 512) * 3
+    x = torch.randn(40, 512) * 3
     for layer in (five, BlockLinear.side_by_side([four, five]), BlockLinear.side_by_side([five, eight])):
         assert layer.kernels is not None
         native = layer(x)
         assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(len(x))]), native)
+        for rows in (2, 9, 15, 16, 17, 32, 33):  # row groups of every size the kernel makes
+            assert torch.equal(layer(x[:rows]), native[:rows]), rows
         reference = layer._torch_forward(x)
         assert torch.allclose(native, reference, rtol=1e-5, atol=1e-4 * reference.abs().max().item())
     assert packed_bits(BlockLinear.side_by_side([four, five]).packed) == 5
