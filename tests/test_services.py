@@ -83,6 +83,15 @@ def test_stream_concatenates_to_the_unary_answer(client):
     assert parts[-1].stats.rounds == whole.stats.rounds
 
 
+def test_the_first_token_streams_alone_then_the_verifier_generates_in_blocks(client, tiny_stack):
+    """The verifier alone streams its first token as soon as the prompt is read, then a block of
+    coordinator.fused_block_tokens a message."""
+    block = tiny_stack["coordinator_obj"].config.fused_block_tokens
+    parts = list(client.stream(generate_request(prompt_token_ids=[3, 4, 5], max_new_tokens=1 + 2 * block, num_draft_tokens=0)))
+    sizes = [len(p.token_ids) for p in parts if p.token_ids]
+    assert sizes[0] == 1 and sizes[1] == block, sizes
+
+
 def test_stop_string_ends_generation(client):
     full = client.generate(generate_request("w1 w2 w3", max_new_tokens=40))
     words = full.text.split()
