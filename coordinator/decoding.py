@@ -108,6 +108,7 @@ class Meter:
     speculative_anatomy: Anatomy = field(default_factory=Anatomy)
     verifier_alone_anatomy: Anatomy = field(default_factory=Anatomy)
     started: float = field(default_factory=time.perf_counter)
+    first_token_ms: float = 0.0
 
     def add_call(self, call, is_draft: bool) -> None:
         if is_draft:
@@ -149,6 +150,7 @@ class Meter:
             bytes_received=self.bytes_received,
             speculation_budget=budget,
             total_ms=total_ms,
+            first_token_ms=self.first_token_ms,
             generated_tokens=generated,
             tokens_per_second=generated / (total_ms / 1e3) if total_ms > 0 else 0.0,
             accepted_draft_tokens=self.accepted,
@@ -258,6 +260,8 @@ def decode_rounds(
         if blocks is not None:
             blocks.costs.observe(report)
         block = len(verdict.token_ids) if not found and drafted is not None else 0
+        if verdict.token_ids and not generated:
+            meter.first_token_ms = (time.perf_counter() - meter.started) * 1e3
         generated += len(verdict.token_ids)
         yield list(verdict.token_ids), report
 

@@ -153,7 +153,7 @@ def _demo(address: str, prompt: str, token: str | None, root_certificates: bytes
     print(
         f"speculation {fast.tokens_per_second:.1f} tok/s, the verifier alone {slow.tokens_per_second:.1f} tok/s: "
         f"{fast.tokens_per_second / slow.tokens_per_second:.2f}x, {fast.mean_accepted_per_round:.2f} drafted tokens accepted per round "
-        f"({fast.speculative_rounds} of {fast.rounds} rounds drafted), {same}\n",
+        f"({fast.speculative_rounds} of {fast.rounds} rounds drafted), the first token after {fast.first_token_ms / 1e3:.2f} s, {same}\n",
         flush=True,
     )
 

@@ -90,6 +90,8 @@ def test_the_first_token_streams_alone_then_the_verifier_generates_in_blocks(cli
     parts = list(client.stream(generate_request(prompt_token_ids=[3, 4, 5], max_new_tokens=1 + 2 * block, num_draft_tokens=0)))
     sizes = [len(p.token_ids) for p in parts if p.token_ids]
     assert sizes[0] == 1 and sizes[1] == block, sizes
+    stats = parts[-1].stats
+    assert 0 < stats.first_token_ms < stats.total_ms
 
 
 def test_stop_string_ends_generation(client):

@@ -91,6 +91,7 @@ class Tally:
     total_ms: float = 0.0
     rounds: int = 0
     bytes_per_round: list[float] = field(default_factory=list)
+    first_token_ms: list[float] = field(default_factory=list)  # per request through the services
     plan_rounds: Counter = field(default_factory=Counter)  # rounds per plan (the adaptive row's choices)
     outputs: list[list[int]] = field(default_factory=list)
     # Structured outputs (prompts with a schema): forced tokens drafted and accepted, the
@@ -133,6 +134,7 @@ class Tally:
         self.wire_ms += stats.wire_serialization_ms
         self.total_ms += stats.total_ms
         self.bytes_per_round.append(stats.bytes_per_round)
+        self.first_token_ms.append(stats.first_token_ms)
         self.plan_rounds.update(stats.plan_rounds)
         self.speculative_anatomy.add(stats.speculative_anatomy)
         self.verifier_alone_anatomy.add(stats.verifier_alone_anatomy)
@@ -370,6 +372,7 @@ def run_speed(args, setup: BenchSetup) -> int:
                     "vs_hf_generate_fp32": tally.ratio_to(tallies["hf_generate_fp32"]) if args.in_process else None,
                     "wire_share": tally.wire_ms / tally.total_ms if tally.total_ms else None,
                     "bytes_per_round": sum(tally.bytes_per_round) / len(tally.bytes_per_round) if tally.bytes_per_round else None,
+                    "first_token_ms": statistics.median(tally.first_token_ms) if tally.first_token_ms else None,
                     "plan_rounds": tally.plan_rounds or None,
                     "round_anatomy": tally.round_anatomy(),
                     "generated_tokens": sum(tally.tokens),

@@ -44,8 +44,8 @@ class CoordinatorClient:
 
 def format_stats(stats: coordinator_pb2.RoundStats) -> str:
     return (
-        f"{stats.generated_tokens} tokens in {stats.total_ms / 1e3:.2f} s ({stats.tokens_per_second:.1f} tok/s), "
-        f"{stats.rounds} rounds, "
+        f"{stats.generated_tokens} tokens in {stats.total_ms / 1e3:.2f} s ({stats.tokens_per_second:.1f} tok/s, "
+        f"the first after {stats.first_token_ms / 1e3:.2f} s), {stats.rounds} rounds, "
         + (f"mean budget {stats.mean_budget:.1f}, " if stats.policy == "adaptive" else f"budget {stats.speculation_budget}, ")
         + f"{stats.mean_accepted_per_round:.2f} accepted drafts/round\n"
         f"draft {stats.draft_compute_ms:.0f} ms, verify {stats.verify_compute_ms:.0f} ms, "
