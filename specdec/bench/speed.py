@@ -525,9 +525,10 @@ def format_table(results: list[dict]) -> str:
     lines = [
         (
             "| name | drafter | tree | budget | T | tokens/s | vs autoregressive [95% CI] | vs hf_assisted | vs hf_generate_fp32 | "
-            "accepted/round | tokens/verify call | draft forwards/round | bytes/round | wire share | greedy = verifier alone |"
+            "accepted/round | tokens/verify call | draft forwards/round | bytes/round | wire share | first token ms | "
+            "greedy = verifier alone |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
@@ -536,7 +537,8 @@ def format_table(results: list[dict]) -> str:
             f"{_ratio(r['vs_autoregressive'])} | {_ratio(r['vs_hf_assisted'])} | {_ratio(r['vs_hf_generate_fp32'])} | "
             f"{fmt(r['mean_accepted_per_round'], '.2f')} | {fmt(r['tokens_per_verify_call'], '.2f')} | "
             f"{fmt(r.get('draft_forwards_per_round'), '.2f')} | {fmt(r['bytes_per_round'], '.0f')} | "
-            f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('greedy_matches_verifier_alone'), '.0%')} |"
+            f"{fmt(r['wire_share'], '.1%')} | {fmt(r.get('first_token_ms'), '.0f')} | "
+            f"{fmt(r.get('greedy_matches_verifier_alone'), '.0%')} |"
         )
     return "\n".join(lines)
 
