@@ -24,7 +24,9 @@ import torch
 from specdec.core.kernels import native
 
 BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
-FILE_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # GGUF's block types file_blocks reads
+# GGUF's block types file_blocks reads: a block's bytes in the file, the bits a weight takes packed
+_FILE_BLOCKS = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q5_0": (22, 5), "Q8_0": (34, 8)}
+FILE_BLOCK_TYPES = tuple(_FILE_BLOCKS)
 BLOCK = 32  # weights per block along a row
 _CHANNELS = 16  # output channels per packed group: one vector of the native kernel
 _TINY = 1e-12  # the smallest activation scale: an all-zero block quantizes to zeros
@@ -67,9 +69,9 @@ def file_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor,
     if kind not in FILE_BLOCK_TYPES:
         raise ValueError(f"GGUF block types read as they are: {', '.join(FILE_BLOCK_TYPES)}, not {kind}")
     n = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[kind])
+    block_size, bits = _FILE_BLOCKS[kind]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, block_size)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    bits = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8}[kind]
     if kind == "Q8_0":
         q, m = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128, -128 * d
     else:
@@ -124,7 +126,8 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.
     if bits == 8:
         weights = steps.reshape(groups, k_blocks, weight_bytes(8))
     else:
-        nibbles = (steps & 0x0F)[:, :, :4] | ((steps & 0x0F)[:, :, 4:] << 4)
+        low = steps & 0x0F
+        nibbles = low[:, :, :4] | (low[:, :, 4:] << 4)
         weights = nibbles.reshape(groups, k_blocks, weight_bytes(4))
         if bits == 5:
             fifths = (steps >> 4).reshape(groups, k_blocks, 8 * 8, 8) << torch.arange(8, dtype=torch.uint8)
