@@ -307,6 +307,10 @@ struct Int8Layer {
 #if defined(SPECDEC_AMX)
   // From this many rows the tiles multiply (below it the vector path streams the weights as fast).
   static constexpr int64_t kTileRowsFrom = 4;
+  // Each weight stream's tiles asked for into L1 this many chunks ahead: left to the hardware's
+  // prefetchers the tile loads waited on memory (the 1.5B, 17 rows 0.79x, 9 rows 0.87x; 8 chunks
+  // ahead or into L2 gained less).
+  static constexpr int64_t kTilesAhead = 4;
 
   // The same sums through the tiles. Up to 16 rows: four blocks of 16 channels a pass (C tiles
   // 0-3), the rows' chunk of 64 inputs in A (tile 4), each block's 64 inputs in B (tiles 5 and 6
@@ -337,6 +341,10 @@ struct Int8Layer {
           tiles::zero<3>();
           for (int64_t c = 0; c < chunks; ++c) {
             const int8_t* wc = w + c * kChunk * kBlock * 4;
+            if (c + kTilesAhead < chunks)
+              for (int b = 0; b < count; ++b)
+                for (int line = 0; line < tiles::kRows; ++line)
+                  __builtin_prefetch(wc + b * block_stride + kTilesAhead * tiles::kRows * tiles::kBytes + line * 64, 0, 3);
             tiles::load<4>(xq.data() + (c * m + r0) * kChunkBytes);
             tiles::load<5>(wc);
             if constexpr (Groups == 1) {
