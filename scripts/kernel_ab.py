@@ -109,6 +109,10 @@ def main() -> None:
     times: dict[tuple[str, int, str], list[float]] = {(name, k, c): [] for name in builds for k in tokens for c in conditions}
     contender = contend(busy_ms, idle_ms, int(niceness[0]) if niceness else 0) if args.contention else None
     with torch.inference_mode():
+        # the context read by one build throughout (the engine's own layers are the working tree's build,
+        # which with --new REV is neither of the two)
+        use(builds["base"])
+        engine.native_layers, engine.lm_head.kernels = layers["base"], builds["base"]
         cache = engine.new_cache()
         engine(cache, ids[: args.context])
         for pair in tqdm(range(args.pairs + 2), desc="pairs", unit="pair"):
