@@ -26,13 +26,19 @@ bool available() {
 }
 // Palette 1, every tile 16 x 64 bytes; per thread (the configuration is thread state).
 void configure() {
-  alignas(64) uint8_t config[64] = {};
-  config[0] = 1;
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+  } config = {};
+  config.palette = 1;
   for (int t = 0; t < 8; ++t) {
-    reinterpret_cast<uint16_t*>(config + 16)[t] = kBytes;
-    config[48 + t] = kRows;
+    config.bytes_per_row[t] = kBytes;
+    config.rows[t] = kRows;
   }
-  _tile_loadconfig(config);
+  // GCC does not see ldtilecfg read the whole block: compiled out of line, it dropped these stores
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
 }
 void release() { _tile_release(); }
 // GCC's tile intrinsics paste their tile numbers into the instruction's text: literals only.
