@@ -341,14 +341,16 @@ struct Int8Layer {
           tiles::zero<1>();
           tiles::zero<2>();
           tiles::zero<3>();
+          // each of the set's blocks' tile from `tile` on, asked for into the cache __builtin_prefetch's locality names
+          const auto ask_for = [&](const int8_t* tile, auto locality) {
+            for (int b = 0; b < count; ++b)
+              for (int64_t line = 0; line < kTileBytes; line += 64) __builtin_prefetch(tile + b * block_stride + line, 0, decltype(locality)::value);
+          };
           for (int64_t c = 0; c < chunks; ++c) {
             const int8_t* wc = w + c * kTileBytes;
-            if (c + kTilesAhead < chunks)
-              for (int b = 0; b < count; ++b)
-                for (int64_t line = 0; line < kTileBytes; line += 64) __builtin_prefetch(wc + b * block_stride + kTilesAhead * kTileBytes + line, 0, 3);
-            if (r0 == 0 && set + 1 < last)  // the next set's tiles, into L2, while its first row group streams this one's
-              for (int b = 0; b < count; ++b)
-                for (int64_t line = 0; line < kTileBytes; line += 64) __builtin_prefetch(wc + (kSet + b) * block_stride + line, 0, 2);
+            if (c + kTilesAhead < chunks) ask_for(wc + kTilesAhead * kTileBytes, std::integral_constant<int, 3>{});  // L1
+            // the next set's tiles, into L2, while its first row group streams this one's
+            if (r0 == 0 && set + 1 < last) ask_for(wc + kSet * block_stride, std::integral_constant<int, 2>{});
             tiles::load<4>(xq.data() + (c * m + r0) * kChunkBytes);
             tiles::load<5>(wc);
             if constexpr (Groups == 1) {
