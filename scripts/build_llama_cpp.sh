@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-completion` (plain decoding) and `llama-speculative-simple` (its
-# draft-model and n-gram speculative decoding) from the tree vendored in the pinned
-# llama-cpp-python sdist, for the bench's llama.cpp rows on the same GGUF files (docs/coder.md).
+# Builds llama.cpp's `llama-completion` (plain decoding), `llama-speculative-simple` (its
+# draft-model and n-gram speculative decoding) and `llama-bench` (its pass times, for the cost
+# curve) from the tree vendored in the pinned llama-cpp-python sdist, for the bench's llama.cpp
+# rows on the same GGUF files (docs/coder.md).
 # Never needed to serve or test.
 #
 #   scripts/build_llama_cpp.sh            # ~10 minutes on 2 cores; installs into $SPECDEC_CACHE/llama.cpp/bin
@@ -32,7 +33,7 @@ fi
 cmake -S "$source" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF \
     "${flags[@]}" >"$work/configure.log" || { tail -40 "$work/configure.log"; exit 1; }
-targets=(llama-completion llama-speculative-simple)
+targets=(llama-completion llama-speculative-simple llama-bench)
 echo "building ${targets[*]} ($(nproc) jobs; ninja's [done/total] below)"
 cmake --build "$work/build" --target "${targets[@]}" -j "$(nproc)"
 mkdir -p "$PREFIX/bin"

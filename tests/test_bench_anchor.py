@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.bench.llama_cpp import installed, verifier_gguf
+from specdec.bench.llama_cpp import bench_built, installed, verifier_gguf
 from specdec.core.hub import BUILTIN_SMOLLM2
 
 
@@ -64,3 +64,23 @@ def test_llama_cpp_rows_say_what_they_lack(tmp_path, monkeypatch):
         LlamaCppBinary(gguf, LlamaCppMode.parse("ngram-mod"), 2)
     with pytest.raises(ValueError, match="needs a draft model"):
         LlamaCppBinary(gguf, LlamaCppMode.parse("draft-simple:3"), 2)
+
+
+def test_llama_benchs_report_gives_each_prompt_tests_time():
+    """`llama-bench -o json`'s report (llama.cpp 0.3.36's fields, trimmed): k -> ms of a pass of k tokens."""
+    from specdec.bench.llama_cpp import bench_pass_ms
+
+    report = """[
+      {"n_prompt": 1, "n_gen": 0, "n_depth": 200, "avg_ns": 26168552, "samples_ns": [26168552]},
+      {"n_prompt": 9, "n_gen": 0, "n_depth": 200, "avg_ns": 124000000, "samples_ns": [124000000]},
+      {"n_prompt": 0, "n_gen": 16, "n_depth": 200, "avg_ns": 453000000, "samples_ns": [453000000]}
+    ]"""
+    assert bench_pass_ms(report) == {1: 26.168552, 9: 124.0}
+
+
+@pytest.mark.skipif(not bench_built(), reason="llama-bench is built by scripts/build_llama_cpp.sh")
+def test_llama_bench_times_passes_of_k_tokens_after_a_context():
+    from specdec.bench.llama_cpp import pass_ms
+
+    ms = pass_ms(verifier_gguf(BUILTIN_SMOLLM2), [1, 3], 8, 2)
+    assert set(ms) == {1, 3} and all(value > 0 for value in ms.values())

@@ -9,8 +9,11 @@ import dataclasses
 import statistics
 from pathlib import Path
 
+import torch
+
 from tqdm import tqdm
 
+from specdec.bench import llama_cpp
 from specdec.bench.stats import paired_geometric_mean
 from specdec.core.engine import TransformersEngine, engine_for
 from specdec.core.feature_head import is_feature_head
@@ -44,7 +47,8 @@ def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: l
     """The rows of time_engines; with_roofline adds each verifier engine's roof (bench/roofline.py) to
     its rows (roof_ms) and the measured rates to the report (roofline)."""
     engines = _engines(config, formats)
-    rows = time_engines(engines, context_ids, tokens, repeats)
+    gguf = llama_cpp.verifier_gguf(config.verifier.model.source) if llama_cpp.bench_built() else None
+    rows = time_engines(engines, context_ids, tokens, repeats, llama_cpp_gguf=gguf)
     if not with_roofline:
         return {"results": rows}
     from specdec.bench import roofline
@@ -58,14 +62,31 @@ def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: l
     return {"results": rows, "roofline": roofs}
 
 
-def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int], tokens: list[int], repeats: int = 24) -> list[dict]:
-    """Each engine's pass of k new tokens after `context_ids` (a drafter's: one token), interleaved."""
-    times = pass_times(
-        {name: (engine, tokens if role == "verifier" else [1]) for name, (role, engine) in engines.items()}, context_ids, repeats,
-        lambda rounds: tqdm(rounds, desc="cost curve", unit="round"),
-    )
+LLAMA_CPP = "llama.cpp (llama-bench, the same file)"
+
+
+def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int], tokens: list[int], repeats: int = 24,
+                 llama_cpp_gguf: Path | None = None) -> list[dict]:
+    """Each engine's pass of k new tokens after `context_ids` (a drafter's: one token), interleaved;
+    with `llama_cpp_gguf`, llama.cpp's passes over that file too, one llama-bench run after each round."""
+    threads = torch.get_num_threads()
+
+    def rounds(repetitions: range):
+        for repeat in tqdm(repetitions, desc="cost curve", unit="round"):
+            yield repeat
+            if llama_cpp_gguf is not None and repeat >= 2:  # the rounds pass_times keeps
+                for k, ms in llama_cpp.pass_ms(llama_cpp_gguf, tokens, len(context_ids), threads).items():
+                    times.setdefault((LLAMA_CPP, k), []).append(ms)
+
+    times: dict[tuple[str, int], list[float]] = {}
+    times.update(pass_times(
+        {name: (engine, tokens if role == "verifier" else [1]) for name, (role, engine) in engines.items()}, context_ids, repeats, rounds,
+    ))
+    curves = {name: role for name, (role, _) in engines.items()}
+    if llama_cpp_gguf is not None:
+        curves[LLAMA_CPP] = "verifier"
     rows = []
-    for name, (role, _) in engines.items():
+    for name, role in curves.items():
         one = statistics.median(times[(name, 1)])
         for k in tokens if role == "verifier" else [1]:
             median = statistics.median(times[(name, k)])

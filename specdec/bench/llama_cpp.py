@@ -6,6 +6,7 @@ vocabulary, or with its n-gram drafting. Nothing else needs either."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import time
@@ -92,7 +93,7 @@ SPEC_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-map-k", "ngram-map-
 
 
 def llama_cpp_binary(name: str) -> Path:
-    """`llama-completion` or `llama-speculative-simple` as scripts/build_llama_cpp.sh installs them."""
+    """`llama-completion`, `llama-speculative-simple` or `llama-bench` as scripts/build_llama_cpp.sh installs them."""
     binary = cache_dir() / "llama.cpp" / "bin" / name
     if not binary.is_file():
         raise FileNotFoundError(f"{binary} is not built: run scripts/build_llama_cpp.sh (~10 minutes on 2 cores)")
@@ -158,3 +159,24 @@ def generated_text(stdout: str, prompt: str, plain: bool) -> str:
     if plain:
         return stdout.removesuffix("\n").removesuffix(" [end of text]")
     return stdout.split(prompt, 1)[-1].removesuffix("\n\n")
+
+
+def bench_built() -> bool:
+    return (cache_dir() / "llama.cpp" / "bin" / "llama-bench").is_file()
+
+
+def pass_ms(gguf: Path, tokens: list[int], context: int, threads: int) -> dict[int, float]:
+    """llama.cpp's time for a pass of k new tokens after `context` tokens, for each k: `llama-bench`'s
+    prompt test of k tokens at that depth, one repetition after its warm-up (its passes compute the
+    last token's logits only, where a verifier's pass needs all k)."""
+    command = [str(llama_cpp_binary("llama-bench")), "-m", str(gguf), "-t", str(threads), "-d", str(context),
+               "-p", ",".join(map(str, tokens)), "-n", "0", "-r", "1", "-o", "json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return bench_pass_ms(done.stdout)
+
+
+def bench_pass_ms(report: str) -> dict[int, float]:
+    """k -> ms of each prompt test in `llama-bench -o json`'s report."""
+    return {test["n_prompt"]: test["avg_ns"] / 1e6 for test in json.loads(report) if test["n_prompt"] > 0}
