@@ -29,9 +29,10 @@ constexpr int64_t factors_at() { return Format == kQ4K ? 2048 : 3072; }
 template <int Format>
 constexpr int64_t super_bytes() { return factors_at<Format>() + 256 + 64; }
 // Rows whose sums stay in registers through a pass over a group's weights: with VNNI a row
-// holds one accumulator at a time (ia, then ib), so 16 fit beside a sub-block's unpacked steps.
+// holds one accumulator at a time (ia, then ib) beside a sub-block's unpacked steps; past ~11
+// rows the 32 registers spill (on a Zen 4 a 16-row pass ran faster as two passes of 8).
 #if defined(__AVX512VNNI__)
-constexpr int kKRows = 16;
+constexpr int kKRows = 12;
 #else
 constexpr int kKRows = 4;
 #endif
@@ -168,8 +169,10 @@ inline __m512i q4k_b_pair(const uint8_t* wb, int p) {
 
 // out[r][c] for `rows` rows (at most kKRows) and the 16 channels of one group: super-blocks in
 // order, each adding float(ia) (d s) and then -float(ib) (dmin s).
+// Never inlined: inlined into a caller, each row count's code moved with every other (17 rows,
+// passes of 8 and 9, were 1.04-1.06x slower when the largest count changed).
 template <int Format, int R>
-void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sums16, const uint8_t* w, int64_t supers, float* out) {
+__attribute__((noinline)) void kquant_rows(const int8_t* x, int64_t k, const float* xs, const int16_t* sums16, const uint8_t* w, int64_t supers, float* out) {
   constexpr int64_t kBytes = super_bytes<Format>();
   constexpr int64_t kFactors = factors_at<Format>();
 #if defined(__AVX512VNNI__)
