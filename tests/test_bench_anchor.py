@@ -84,3 +84,12 @@ def test_llama_bench_times_passes_of_k_tokens_after_a_context():
 
     ms = pass_ms(verifier_gguf(BUILTIN_SMOLLM2), [1, 3], 8, 2)
     assert set(ms) == {1, 3} and all(value > 0 for value in ms.values())
+
+
+@pytest.mark.skipif(not bench_built(), reason="llama-bench is built by scripts/build_llama_cpp.sh")
+def test_the_cost_curve_times_llama_cpps_passes_after_each_round():
+    from specdec.bench.cost import LLAMA_CPP, time_engines
+
+    rows = time_engines({}, list(range(1, 9)), [1, 3], repeats=2, llama_cpp_gguf=verifier_gguf(BUILTIN_SMOLLM2))
+    assert [(row["engine"], row["tokens"]) for row in rows] == [(LLAMA_CPP, 1), (LLAMA_CPP, 3)]
+    assert all(row["verify_ms"] > 0 and len(row["paired_interval"]) == 2 for row in rows)

@@ -10,7 +10,6 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from tqdm import tqdm
 
 from specdec.bench import llama_cpp
@@ -19,7 +18,7 @@ from specdec.core.engine import TransformersEngine, engine_for
 from specdec.core.feature_head import is_feature_head
 from specdec.core.models import ModelSpec, load_model
 from specdec.core.ngram import is_model_free
-from specdec.core.timing import pass_times
+from specdec.core.timing import WARMUP_ROUNDS, pass_times
 
 
 def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]:
@@ -70,18 +69,18 @@ def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int],
     """Each engine's pass of k new tokens after `context_ids` (a drafter's: one token), interleaved;
     with `llama_cpp_gguf`, llama.cpp's passes over that file too, one llama-bench run after each round."""
     threads = torch.get_num_threads()
+    llama_times: dict[tuple[str, int], list[float]] = {}
 
     def rounds(repetitions: range):
         for repeat in tqdm(repetitions, desc="cost curve", unit="round"):
-            yield repeat
-            if llama_cpp_gguf is not None and repeat >= 2:  # the rounds pass_times keeps
+            yield repeat  # pass_times runs the round's passes, then llama.cpp's follow it
+            if llama_cpp_gguf is not None and repeat >= WARMUP_ROUNDS:
                 for k, ms in llama_cpp.pass_ms(llama_cpp_gguf, tokens, len(context_ids), threads).items():
-                    times.setdefault((LLAMA_CPP, k), []).append(ms)
+                    llama_times.setdefault((LLAMA_CPP, k), []).append(ms)
 
-    times: dict[tuple[str, int], list[float]] = {}
-    times.update(pass_times(
+    times = pass_times(
         {name: (engine, tokens if role == "verifier" else [1]) for name, (role, engine) in engines.items()}, context_ids, repeats, rounds,
-    ))
+    ) | llama_times
     curves = {name: role for name, (role, _) in engines.items()}
     if llama_cpp_gguf is not None:
         curves[LLAMA_CPP] = "verifier"

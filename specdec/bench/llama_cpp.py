@@ -92,9 +92,14 @@ class LlamaCppMode:
 SPEC_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
 
+def _installed(name: str) -> Path:
+    """Where scripts/build_llama_cpp.sh installs `llama-completion`, `llama-speculative-simple` and `llama-bench`."""
+    return cache_dir() / "llama.cpp" / "bin" / name
+
+
 def llama_cpp_binary(name: str) -> Path:
-    """`llama-completion`, `llama-speculative-simple` or `llama-bench` as scripts/build_llama_cpp.sh installs them."""
-    binary = cache_dir() / "llama.cpp" / "bin" / name
+    """One of the built binaries, or an error that says how to build it."""
+    binary = _installed(name)
     if not binary.is_file():
         raise FileNotFoundError(f"{binary} is not built: run scripts/build_llama_cpp.sh (~10 minutes on 2 cores)")
     return binary
@@ -162,7 +167,7 @@ def generated_text(stdout: str, prompt: str, plain: bool) -> str:
 
 
 def bench_built() -> bool:
-    return (cache_dir() / "llama.cpp" / "bin" / "llama-bench").is_file()
+    return _installed("llama-bench").is_file()
 
 
 def pass_ms(gguf: Path, tokens: list[int], context: int, threads: int) -> dict[int, float]:
