@@ -75,8 +75,13 @@ def test_bench_runs_a_study_mode_and_writes_its_report(bench_files):
     assert set(report["roofline"]) == {row["engine"] for row in report["results"] if row["model"] == "verifier"}
     for engine, roof in report["roofline"].items():
         assert roof["bytes"] > 0 and roof["macs_per_token"] > 0 and roof["peak_macs_per_s"] > 0 and roof["bandwidth_bytes_per_s"] > 1e9
+        # the rates are read after every timed round, and each pass is set against its own round's roof
+        assert len(roof["bandwidth_bytes_per_s_by_round"]) == len(roof["peak_macs_per_s_by_round"]) == 24
         rows = sorted((row for row in report["results"] if row["engine"] == engine), key=lambda row: row["tokens"])
         assert 0 < rows[0]["roof_ms"] <= rows[1]["roof_ms"]
+        for row in rows:
+            low, high = row["paired_roof_interval"]
+            assert 0 < low <= row["paired_ratio_to_roof"] <= high
     assert report["config"]["cost_context"] == 16 and len(report["config"]["question_ids"]) == 2
     assert (tmp_path / "cost.png").exists()
 

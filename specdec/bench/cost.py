@@ -43,37 +43,39 @@ def _engines(config, formats: list[str] | None) -> dict[str, tuple[str, object]]
 
 def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: list[str] | None = None, repeats: int = 24,
                    with_roofline: bool = False) -> dict:
-    """The rows of time_engines; with_roofline adds each verifier engine's roof (bench/roofline.py) to
-    its rows (roof_ms) and the measured rates to the report (roofline)."""
+    """The rows of time_engines; with_roofline reads the machine's rates after every round
+    (bench/roofline.py) and adds each verifier engine's roof to its rows and to the report."""
     engines = _engines(config, formats)
     gguf = llama_cpp.verifier_gguf(config.verifier.model.source) if llama_cpp.bench_built() else None
-    rows = time_engines(engines, context_ids, tokens, repeats, llama_cpp_gguf=gguf)
-    if not with_roofline:
-        return {"results": rows}
-    from specdec.bench import roofline
+    rates = None
+    if with_roofline:
+        from specdec.bench.roofline import RoundRates
 
-    bandwidth = roofline.memory_bandwidth()
-    roofs = {name: roofline.roofline(engine.model if isinstance(engine, TransformersEngine) else engine, bandwidth)
-             for name, (role, engine) in engines.items() if role == "verifier"}
-    for row in rows:
-        if row["engine"] in roofs:
-            row["roof_ms"] = roofline.roof_ms(roofs[row["engine"]], row["tokens"])
-    return {"results": rows, "roofline": roofs}
+        rates = RoundRates({name: engine.model if isinstance(engine, TransformersEngine) else engine
+                            for name, (role, engine) in engines.items() if role == "verifier"})
+    rows = time_engines(engines, context_ids, tokens, repeats, llama_cpp_gguf=gguf, rates=rates)
+    if rates is None:
+        return {"results": rows}
+    return {"results": rows, "roofline": {name: rates.roof(name) for name in rates.models}}
 
 
 LLAMA_CPP = "llama.cpp (llama-bench, the same file)"
 
 
 def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int], tokens: list[int], repeats: int = 24,
-                 llama_cpp_gguf: Path | None = None) -> list[dict]:
+                 llama_cpp_gguf: Path | None = None, rates=None) -> list[dict]:
     """Each engine's pass of k new tokens after `context_ids` (a drafter's: one token), interleaved;
-    with `llama_cpp_gguf`, llama.cpp's passes over that file too, one llama-bench run after each round."""
+    with `llama_cpp_gguf`, llama.cpp's passes over that file too, one llama-bench run after each round;
+    with `rates` (a roofline.RoundRates), the machine's rates read after each round's passes, and
+    each of its engines' rows set against the roof of the round they ran in."""
     threads = torch.get_num_threads()
     llama_times: dict[tuple[str, int], list[float]] = {}
 
     def rounds(repetitions: range):
         for repeat in tqdm(repetitions, desc="cost curve", unit="round"):
-            yield repeat  # pass_times runs the round's passes, then llama.cpp's follow it
+            yield repeat  # pass_times runs the round's passes, then the rates and llama.cpp's follow them
+            if rates is not None and repeat >= WARMUP_ROUNDS:
+                rates.read()
             if llama_cpp_gguf is not None and repeat >= WARMUP_ROUNDS:
                 for k, ms in llama_cpp.pass_ms(llama_cpp_gguf, tokens, len(context_ids), threads).items():
                     llama_times.setdefault((LLAMA_CPP, k), []).append(ms)
@@ -97,16 +99,23 @@ def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int],
                 ("verify_ms" if role == "verifier" else "draft_step_ms"): median, "ratio_to_one_token": median / one,
                 "paired_ratio_to_one_token": paired, "paired_interval": [low, high],
             })
+            if rates is not None and name in rates.models:
+                roofs = rates.roof_ms_by_round(name, k)
+                paired, low, high = paired_geometric_mean([t / roof for t, roof in zip(times[(name, k)], roofs)])
+                rows[-1] |= {"roof_ms": statistics.median(roofs), "paired_ratio_to_roof": paired, "paired_roof_interval": [low, high]}
     return rows
 
 
 def format_cost_curve(rows: list[dict]) -> str:
-    lines = ["engine | tokens | ms (median) | x one token (medians) | x one token (paired, 95%) | roof ms | x roof",
+    lines = ["engine | tokens | ms (median) | x one token (medians) | x one token (paired, 95%) | roof ms | x roof (paired, 95%)",
              "---|---|---|---|---|---|---"]
     for r in rows:
         ms = r.get("verify_ms", r.get("draft_step_ms"))
         low, high = r["paired_interval"]
-        roof = f"{r['roof_ms']:.1f} | {ms / r['roof_ms']:.2f}" if "roof_ms" in r else "- | -"
+        roof = "- | -"
+        if "roof_ms" in r:
+            roof_low, roof_high = r["paired_roof_interval"]
+            roof = f"{r['roof_ms']:.1f} | {r['paired_ratio_to_roof']:.2f} [{roof_low:.2f}, {roof_high:.2f}]"
         lines.append(
             f"{r['engine']} | {r['tokens']} | {ms:.1f} | {r['ratio_to_one_token']:.2f} | "
             f"{r['paired_ratio_to_one_token']:.2f} [{low:.2f}, {high:.2f}] | {roof}"

@@ -90,8 +90,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--cost-context", type=int, default=200, help="committed context length (tokens of the held-out prompts)")
     cost.add_argument(
         "--roofline", action="store_true",
-        help="measure the memory bandwidth and each verifier format's multiply-add peak, and draw each format's roof, "
-        "max(bytes / bandwidth, k x multiply-adds / peak), beside its curve",
+        help="measure the memory bandwidth and each verifier format's multiply-add peak after every round, set each pass "
+        "against its round's roof, max(bytes / bandwidth, k x multiply-adds / peak), and draw the roof beside each curve",
     )
     cost.add_argument(
         "--weight-formats",
