@@ -130,7 +130,9 @@ def plot_cost_curve(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     drafters = [r for r in rows if r["model"] == "drafter"]
-    fig, axes = plt.subplots(1, 3 if drafters else 2, figsize=(16 if drafters else 11, 4))
+    roofed = any("roof_ms" in r for r in rows)
+    panels = 2 + roofed + bool(drafters)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     absolute, relative = axes[:2]
     colors = {}
     for name in dict.fromkeys(r["engine"] for r in rows if r["model"] == "verifier"):
@@ -143,8 +145,19 @@ def plot_cost_curve(rows: list[dict], path: Path) -> None:
         paired = [r["paired_ratio_to_one_token"] for r in mine]
         spread = [[p - r["paired_interval"][0] for p, r in zip(paired, mine)], [r["paired_interval"][1] - p for p, r in zip(paired, mine)]]
         relative.errorbar(ks, paired, yerr=spread, marker="o", capsize=3, label=name)
+        if "roof_ms" in mine[0]:
+            over = [r["paired_ratio_to_roof"] for r in mine]
+            low, high = zip(*(r["paired_roof_interval"] for r in mine))
+            axes[2].errorbar(ks, over, yerr=[[o - lo for o, lo in zip(over, low)], [hi - o for o, hi in zip(over, high)]],
+                             marker="o", capsize=3, color=line.get_color(), label=name)
+    if roofed:
+        axes[2].set(xscale="log", yscale="log", xlabel="new tokens in the pass (k)", ylabel="time / its round's roof, paired (95%)",
+                    title="how far from what the machine allows")
+        axes[2].axhline(1.0, color="grey", linewidth=0.5)
+        axes[2].grid(alpha=0.3)
+        axes[2].legend(fontsize=8)
     if drafters:  # one bar per drafter engine, beside the verifier's one-token pass for scale
-        steps = axes[2]
+        steps = axes[-1]
         names = [r["engine"] for r in drafters]
         steps.barh(names, [r["draft_step_ms"] for r in drafters], color="tab:grey")
         for name, color in colors.items():
@@ -155,7 +168,7 @@ def plot_cost_curve(rows: list[dict], path: Path) -> None:
         steps.set(xlabel="one drafter step (ms, median)", title="drafter steps")
         steps.legend(fontsize=7)
     absolute.set(
-        xscale="log", xlabel="new tokens in the pass (k)", ylabel="forward time (ms, median)",
+        xscale="log", yscale="log", xlabel="new tokens in the pass (k)", ylabel="forward time (ms, median)",
         title=f"verifier forward after {rows[0]['context']} tokens",
     )
     relative.set(
