@@ -3,7 +3,9 @@ in two processes of their own, taking turns as served rounds do (`--draft-passes
 passes, then one verifier pass of draft-passes + 1 tokens), while every process of the local Ray
 instance (raylet, GCS, agents, Serve's controller, proxy and replicas) is stopped and resumed
 every half second. Each pass counts as "stopped" or "running" by the state it ran through, so the
-two are paired in time and the machine's drift hits both alike. Start a stack first:
+two are paired in time and the machine's drift hits both alike. `--renice N` first sets every one
+of those processes to niceness N (and leaves them there): whether Ray's processes cost less at a
+lower priority than the passes' (nice 0). Start a stack first:
 
     specdec serve --config deploy/qwen2.5-coder-0.5b.yaml &
     .venv/bin/python scripts/idle_stack_cost.py --config deploy/qwen2.5-coder-0.5b.yaml --seconds 30
@@ -69,6 +71,7 @@ def main() -> None:
     parser.add_argument("--config", required=True, help="YAML config whose drafter and verifier models take turns")
     parser.add_argument("--draft-passes", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--renice", type=int, default=None, metavar="N", help="set every Ray process to niceness N first")
     parser.add_argument("--out", default="runs/idle_stack_cost.json")
     args = parser.parse_args()
     from specdec.core.ngram import is_model_free
@@ -81,6 +84,12 @@ def main() -> None:
     pids = [int(p) for p in found if int(p) != os.getpid()]
     if not pids:
         raise SystemExit("no Ray processes on this machine: start a stack first (specdec serve)")
+    if args.renice is not None:
+        for pid in pids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, pid, args.renice)
+            except ProcessLookupError:
+                pass
     drafter_end, verifier_end = multiprocessing.Pipe()
     results = multiprocessing.Queue()
     sides = [multiprocessing.Process(target=take_turns, args=(role, args.config, args.draft_passes, args.seconds, end, results))
@@ -120,7 +129,7 @@ def main() -> None:
                 return None
         return now
 
-    report = {"config": args.config, "draft_passes": args.draft_passes, "ray_processes": len(pids)}
+    report = {"config": args.config, "draft_passes": args.draft_passes, "ray_processes": len(pids), "renice": args.renice}
     for role, times in passes.items():
         by_state = {True: [], False: []}
         for start, end in times:
