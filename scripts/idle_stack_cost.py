@@ -66,6 +66,15 @@ def take_turns(role: str, config: str, draft_passes: int, seconds: float, link, 
     results.put((role, passes))
 
 
+def each_alive(pids: list[int], act) -> None:
+    """act(pid) for each of `pids`, skipping those that have ended."""
+    for pid in pids:
+        try:
+            act(pid)
+        except ProcessLookupError:
+            pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML config whose drafter and verifier models take turns")
@@ -85,11 +94,7 @@ def main() -> None:
     if not pids:
         raise SystemExit("no Ray processes on this machine: start a stack first (specdec serve)")
     if args.renice is not None:
-        for pid in pids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, pid, args.renice)
-            except ProcessLookupError:
-                pass
+        each_alive(pids, lambda pid: os.setpriority(os.PRIO_PROCESS, pid, args.renice))
     drafter_end, verifier_end = multiprocessing.Pipe()
     results = multiprocessing.Queue()
     sides = [multiprocessing.Process(target=take_turns, args=(role, args.config, args.draft_passes, args.seconds, end, results))
@@ -104,18 +109,10 @@ def main() -> None:
                 passes[role] = times
             except queue.Empty:
                 stopped = not stopped
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
+                each_alive(pids, lambda pid: os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT))
                 changes.append((time.time(), stopped))
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        each_alive(pids, lambda pid: os.kill(pid, signal.SIGCONT))
     for side in sides:
         side.join()
 

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.bench import llama_cpp
+from specdec.bench.roofline import RoundRates
 from specdec.bench.stats import paired_geometric_mean
 from specdec.core.engine import TransformersEngine, engine_for
 from specdec.core.feature_head import is_feature_head
@@ -49,8 +50,6 @@ def run_cost_curve(config, context_ids: list[int], tokens: list[int], formats: l
     gguf = llama_cpp.verifier_gguf(config.verifier.model.source) if llama_cpp.bench_built() else None
     rates = None
     if with_roofline:
-        from specdec.bench.roofline import RoundRates
-
         rates = RoundRates({name: engine.model if isinstance(engine, TransformersEngine) else engine
                             for name, (role, engine) in engines.items() if role == "verifier"})
     rows = time_engines(engines, context_ids, tokens, repeats, llama_cpp_gguf=gguf, rates=rates)
@@ -63,7 +62,7 @@ LLAMA_CPP = "llama.cpp (llama-bench, the same file)"
 
 
 def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int], tokens: list[int], repeats: int = 24,
-                 llama_cpp_gguf: Path | None = None, rates=None) -> list[dict]:
+                 llama_cpp_gguf: Path | None = None, rates: RoundRates | None = None) -> list[dict]:
     """Each engine's pass of k new tokens after `context_ids` (a drafter's: one token), interleaved;
     with `llama_cpp_gguf`, llama.cpp's passes over that file too, one llama-bench run after each round;
     with `rates` (a roofline.RoundRates), the machine's rates read after each round's passes, and
@@ -74,9 +73,11 @@ def time_engines(engines: dict[str, tuple[str, object]], context_ids: list[int],
     def rounds(repetitions: range):
         for repeat in tqdm(repetitions, desc="cost curve", unit="round"):
             yield repeat  # pass_times runs the round's passes, then the rates and llama.cpp's follow them
-            if rates is not None and repeat >= WARMUP_ROUNDS:
+            if repeat < WARMUP_ROUNDS:
+                continue
+            if rates is not None:
                 rates.read()
-            if llama_cpp_gguf is not None and repeat >= WARMUP_ROUNDS:
+            if llama_cpp_gguf is not None:
                 for k, ms in llama_cpp.pass_ms(llama_cpp_gguf, tokens, len(context_ids), threads).items():
                     llama_times.setdefault((LLAMA_CPP, k), []).append(ms)
 
@@ -123,6 +124,13 @@ def format_cost_curve(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _paired_bars(ax, ks: list[int], rows: list[dict], ratio: str, interval: str, **style) -> None:
+    """Each row's paired ratio with its 95% interval as error bars."""
+    centre = [r[ratio] for r in rows]
+    spread = [[c - r[interval][0] for c, r in zip(centre, rows)], [r[interval][1] - c for c, r in zip(centre, rows)]]
+    ax.errorbar(ks, centre, yerr=spread, marker="o", capsize=3, **style)
+
+
 def plot_cost_curve(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -142,14 +150,9 @@ def plot_cost_curve(rows: list[dict], path: Path) -> None:
         colors[name] = line.get_color()
         if "roof_ms" in mine[0]:
             absolute.plot(ks, [r["roof_ms"] for r in mine], linestyle="--", color=line.get_color(), label=f"{name}: roof")
-        paired = [r["paired_ratio_to_one_token"] for r in mine]
-        spread = [[p - r["paired_interval"][0] for p, r in zip(paired, mine)], [r["paired_interval"][1] - p for p, r in zip(paired, mine)]]
-        relative.errorbar(ks, paired, yerr=spread, marker="o", capsize=3, label=name)
+        _paired_bars(relative, ks, mine, "paired_ratio_to_one_token", "paired_interval", label=name)
         if "roof_ms" in mine[0]:
-            over = [r["paired_ratio_to_roof"] for r in mine]
-            low, high = zip(*(r["paired_roof_interval"] for r in mine))
-            axes[2].errorbar(ks, over, yerr=[[o - lo for o, lo in zip(over, low)], [hi - o for o, hi in zip(over, high)]],
-                             marker="o", capsize=3, color=line.get_color(), label=name)
+            _paired_bars(axes[2], ks, mine, "paired_ratio_to_roof", "paired_roof_interval", color=line.get_color(), label=name)
     if roofed:
         axes[2].set(xscale="log", yscale="log", xlabel="new tokens in the pass (k)", ylabel="time / its round's roof, paired (95%)",
                     title="how far from what the machine allows")

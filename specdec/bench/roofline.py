@@ -57,6 +57,7 @@ class RoundRates:
         self.models, self.repeats = models, repeats
         self._buffer = torch.ones(_STREAM_BYTES, dtype=torch.int8)
         self._layers = {name: _widest_decoder_linear(model) for name, model in models.items()}
+        self._sizes = {name: {"bytes": streamed_bytes(model), "macs_per_token": macs_per_token(model)} for name, model in models.items()}
         self.bandwidths: list[float] = []
         self.peaks: dict[str, list[float]] = {name: [] for name in models}
 
@@ -68,14 +69,12 @@ class RoundRates:
 
     def roof(self, name: str) -> dict:
         """A model's bytes and multiply-adds a token, with the median of the rates read."""
-        model = self.models[name]
-        return {"bytes": streamed_bytes(model), "macs_per_token": macs_per_token(model),
-                "peak_macs_per_s": statistics.median(self.peaks[name]), "bandwidth_bytes_per_s": statistics.median(self.bandwidths),
-                "peak_macs_per_s_by_round": self.peaks[name], "bandwidth_bytes_per_s_by_round": self.bandwidths}
+        return self._sizes[name] | {
+            "peak_macs_per_s": statistics.median(self.peaks[name]), "bandwidth_bytes_per_s": statistics.median(self.bandwidths),
+            "peak_macs_per_s_by_round": self.peaks[name], "bandwidth_bytes_per_s_by_round": self.bandwidths}
 
     def roof_ms_by_round(self, name: str, tokens: int) -> list[float]:
-        roof = self.roof(name)
-        return [roof_ms(roof | {"bandwidth_bytes_per_s": bandwidth, "peak_macs_per_s": peak}, tokens)
+        return [roof_ms(self._sizes[name] | {"bandwidth_bytes_per_s": bandwidth, "peak_macs_per_s": peak}, tokens)
                 for bandwidth, peak in zip(self.bandwidths, self.peaks[name])]
 
 
